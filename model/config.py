@@ -1,0 +1,403 @@
+"""DeepSeek-V4 model configuration.
+
+One dataclass, `ModelConfig`, read from three places:
+  * a YAML `model:` section (our configs/),
+  * a release `config.json` (official naming: `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
+    `rope_scaling`, `quantization_config`, ...),
+  * a `transformers` `config.json` (`layer_types`, `compress_rates`, `mlp_layer_types`,
+    `partial_rotary_factor`, nested `rope_parameters`).
+Validation names the offending key and, for a misspelled one, the closest known key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, misspelled, of the wrong type or out of range."""
+
+
+def closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _default_yarn() -> dict:
+    return {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+            "beta_fast": 32, "beta_slow": 1}
+
+
+def _flash_compress_ratios() -> list[int]:
+    return [0, 0] + [4, 128] * 20 + [4]
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a DeepSeek-V4 model. Defaults are DeepSeek-V4-Flash."""
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    head_dim: int = 512                  # shared K == V head (MQA, one KV head)
+    qk_rope_head_dim: int = 64           # RoPE on the last qk_rope_head_dim dims of every head
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    # per layer: 0 = sliding window only; csa_ratio = CSA (+ indexer); hca_ratio = HCA
+    compress_ratios: list = field(default_factory=_flash_compress_ratios)
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 6
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 2048
+    num_hash_layers: int = 3             # the first layers route by tid2eid[token_id]
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0          # sliding-only layers: plain RoPE
+    compress_rope_theta: float = 160000.0  # CSA/HCA layers and their compressors: this theta + rope_scaling
+    rope_scaling: dict | None = field(default_factory=_default_yarn)
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    num_nextn_predict_layers: int = 1    # MTP layers in the release; not instantiated here
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- derived -------------------------------------------------------------------------------------
+    def layer_type(self, i: int) -> str:
+        r = self.compress_ratios[i]
+        return SLIDING if r == 0 else CSA if r == self.csa_ratio else HCA
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [self.layer_type(i) for i in range(self.num_hidden_layers)]
+
+    def is_hash_layer(self, i: int) -> bool:
+        return i < self.num_hash_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    # ---- validation ----------------------------------------------------------------------------------
+    def validate(self):
+        """Raise ConfigError('key: problem') for the first bad field; normalizes numbers and lists in place."""
+        def fail(key, msg):
+            raise ConfigError(f"{key}: {msg}")
+
+        ints = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio",
+                "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings"]
+        for k in ints:
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                fail(k, f"must be a positive integer, got {v!r}")
+        for k in ["qk_rope_head_dim", "n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"]:
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                fail(k, f"must be a non-negative integer, got {v!r}")
+        for k in ["routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps", "rope_theta",
+                  "compress_rope_theta"]:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                fail(k, f"must be a positive number, got {v!r}")
+            setattr(self, k, float(v))
+        if self.qk_rope_head_dim > self.head_dim or self.qk_rope_head_dim % 2:
+            fail("qk_rope_head_dim", f"must be even and <= head_dim ({self.head_dim}), got {self.qk_rope_head_dim}")
+        if self.qk_rope_head_dim > self.index_head_dim:
+            fail("qk_rope_head_dim", f"must be <= index_head_dim ({self.index_head_dim})")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            fail("o_groups", f"must divide num_attention_heads * head_dim = {self.num_attention_heads * self.head_dim}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail("num_experts_per_tok", f"{self.num_experts_per_tok} > n_routed_experts ({self.n_routed_experts})")
+        if self.n_routed_experts > 256:
+            fail("n_routed_experts", "routed expert ids travel as uint8, so at most 256 experts")
+        if self.num_hash_layers > self.num_hidden_layers:
+            fail("num_hash_layers", f"{self.num_hash_layers} > num_hidden_layers ({self.num_hidden_layers})")
+        if self.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
+            fail("scoring_func", f"must be sqrtsoftplus, sigmoid or softmax, got {self.scoring_func!r}")
+        if self.csa_ratio == self.hca_ratio:
+            fail("csa_ratio", "must differ from hca_ratio (the ratio tells the layer type)")
+        if not isinstance(self.compress_ratios, (list, tuple)):
+            fail("compress_ratios", f"must be a list of per-layer ratios, got {self.compress_ratios!r}")
+        # Releases ship extra entries for the MTP layer(s); keep one per decoder layer.
+        self.compress_ratios = [int(r) for r in self.compress_ratios[: self.num_hidden_layers]]
+        if len(self.compress_ratios) != self.num_hidden_layers:
+            fail("compress_ratios", f"has {len(self.compress_ratios)} entries, need num_hidden_layers = "
+                                    f"{self.num_hidden_layers}")
+        for i, r in enumerate(self.compress_ratios):
+            if r not in (0, self.csa_ratio, self.hca_ratio):
+                fail(f"compress_ratios[{i}]", f"{r} is none of 0 (sliding), csa_ratio={self.csa_ratio}, "
+                                             f"hca_ratio={self.hca_ratio}")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                fail("rope_scaling", f"must be a mapping or null, got {self.rope_scaling!r}")
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type", "yarn"))
+            if kind not in ("yarn", "default"):
+                fail("rope_scaling.type", f"only 'yarn' is supported, got {kind!r}")
+            if kind == "default":
+                self.rope_scaling = None
+            else:
+                for k in ("factor", "original_max_position_embeddings"):
+                    if k not in self.rope_scaling:
+                        fail(f"rope_scaling.{k}", "is required for yarn")
+
+    # ---- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "model") -> "ModelConfig":
+        """Strict: every key must be a field (the YAML path)."""
+        return build_section(cls, d, where)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, d: dict, where: str = "config.json") -> "ModelConfig":
+        """Lenient: reads the official release naming or the transformers naming, ignores the rest."""
+        g = dict(d.get("text_config", d))
+        out: dict[str, Any] = {}
+        direct = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                  "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
+                  "index_topk", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                  "moe_intermediate_size", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
+                  "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "rope_theta",
+                  "compress_rope_theta", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                  "eos_token_id", "num_nextn_predict_layers", "qk_rope_head_dim", "num_hash_layers"]
+        for k in direct:
+            if g.get(k) is not None:
+                out[k] = g[k]
+        if isinstance(out.get("eos_token_id"), list):
+            out["eos_token_id"] = out["eos_token_id"][0] if out["eos_token_id"] else None
+        n = out.get("num_hidden_layers", cls.num_hidden_layers)
+        head_dim = out.get("head_dim", cls.head_dim)
+        if "qk_rope_head_dim" not in out and g.get("partial_rotary_factor") is not None:
+            out["qk_rope_head_dim"] = int(head_dim * g["partial_rotary_factor"])
+
+        # attention layer schedule
+        rates = g.get("compress_rates") or {}
+        csa = int(rates.get(CSA, g.get("compress_rate_csa", 4)))
+        hca = int(rates.get(HCA, g.get("compress_rate_hca", 128)))
+        if g.get("layer_types") is not None:
+            lt = g["layer_types"][:n]
+            bad = [t for t in lt if t not in (SLIDING, CSA, HCA)]
+            if bad:
+                raise ConfigError(f"{where}: layer_types has unknown entries {bad}")
+            out["compress_ratios"] = [0 if t == SLIDING else csa if t == CSA else hca for t in lt]
+        elif g.get("compress_ratios") is not None:
+            ratios = [0 if int(r) in (0, 1) else int(r) for r in g["compress_ratios"][:n]]
+            distinct = sorted({r for r in ratios if r})
+            if len(distinct) == 2:
+                csa, hca = distinct
+            elif len(distinct) == 1 and distinct[0] not in (csa, hca):
+                raise ConfigError(f"{where}: compress_ratios uses only ratio {distinct[0]}, which is neither the "
+                                  f"CSA ratio ({csa}) nor the HCA ratio ({hca}); give layer_types + compress_rates")
+            elif len(distinct) > 2:
+                raise ConfigError(f"{where}: compress_ratios has more than two non-zero ratios: {distinct}")
+            out["compress_ratios"] = ratios
+        out["csa_ratio"], out["hca_ratio"] = csa, hca
+
+        # MoE schedule
+        if g.get("mlp_layer_types") is not None:
+            mt = list(g["mlp_layer_types"][:n])
+            n_hash = sum(1 for t in mt if t == "hash_moe")
+            if mt[:n_hash] != ["hash_moe"] * n_hash:
+                raise ConfigError(f"{where}: mlp_layer_types must put every hash_moe layer first, got {mt}")
+            out["num_hash_layers"] = n_hash
+
+        # RoPE: official `rope_scaling` or transformers' nested `rope_parameters`
+        rp = g.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+            comp, main = rp["compress"], rp.get("main", {})
+            if "rope_theta" in main:
+                out["rope_theta"] = main["rope_theta"]
+            if "rope_theta" in comp:
+                out["compress_rope_theta"] = comp["rope_theta"]
+            if comp.get("rope_type", comp.get("type", "default")) == "yarn":
+                out["rope_scaling"] = {k: comp[k] for k in ("factor", "original_max_position_embeddings",
+                                                            "beta_fast", "beta_slow") if k in comp}
+                out["rope_scaling"]["type"] = "yarn"
+            else:
+                out["rope_scaling"] = None
+        else:
+            rs = g.get("rope_scaling", rp if isinstance(rp, dict) and rp else None)
+            if isinstance(rs, dict) and rs.get("type", rs.get("rope_type")) == "yarn":
+                out["rope_scaling"] = {k: rs[k] for k in ("factor", "original_max_position_embeddings",
+                                                          "beta_fast", "beta_slow") if k in rs}
+                out["rope_scaling"]["type"] = "yarn"
+                if isinstance(rp, dict) and rp.get("rope_theta") and "rope_theta" not in g:
+                    out["rope_theta"] = rp["rope_theta"]
+            else:
+                out["rope_scaling"] = None
+        return cls.from_dict(out, where)
+
+    def to_hf_config(self, quantization: dict | None = None) -> dict:
+        """config.json in the official release naming (which `transformers` also reads)."""
+        d = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": 1, "head_dim": self.head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank,
+            "sliding_window": self.sliding_window, "compress_ratios": list(self.compress_ratios),
+            "layer_types": self.layer_types,
+            "compress_rates": {CSA: self.csa_ratio, HCA: self.hca_ratio},
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok, "n_shared_experts": self.n_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size, "num_hash_layers": self.num_hash_layers,
+            "scoring_func": self.scoring_func, "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor, "swiglu_limit": self.swiglu_limit,
+            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "num_nextn_predict_layers": 0,
+            "hidden_act": "silu", "torch_dtype": "bfloat16",
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        if quantization is not None:
+            d["quantization_config"] = quantization
+        return d
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    def param_counts(self) -> dict:
+        """Parameter counts: total, routed experts, and active per token (embeddings excluded from active)."""
+        D, H, hd, n = self.hidden_size, self.num_attention_heads, self.head_dim, self.hc_mult
+        attn = D * self.q_lora_rank + self.q_lora_rank * H * hd + D * hd + (H * hd) * self.o_lora_rank \
+            + self.o_groups * self.o_lora_rank * D + self.q_lora_rank + hd + H
+        hc = 2 * ((2 + n) * n * n * D + (2 + n) * n + 3)
+        expert = 3 * D * self.moe_intermediate_size
+        per_layer_dense = attn + hc + 2 * D + self.n_routed_experts * D + 3 * D * self.shared_intermediate_size
+        comp = 0
+        for i in range(self.num_hidden_layers):
+            t = self.layer_type(i)
+            if t == CSA:
+                comp += 2 * (D * 2 * hd) + self.csa_ratio * 2 * hd + hd  # compressor
+                ih = self.index_head_dim
+                comp += 2 * (D * 2 * ih) + self.csa_ratio * 2 * ih + ih + self.q_lora_rank * self.index_n_heads * ih \
+                    + D * self.index_n_heads
+            elif t == HCA:
+                comp += 2 * (D * hd) + self.hca_ratio * hd + hd
+        L = self.num_hidden_layers
+        emb = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
+        routed = L * self.n_routed_experts * expert
+        total = emb + L * per_layer_dense + comp + routed + n * n * D + n + 1 + D
+        active = L * per_layer_dense + comp + L * self.num_experts_per_tok * expert + self.vocab_size * D
+        return {"total": total, "routed_experts": routed, "active": active}
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    f = path / "config.json" if path.is_dir() else path
+    if not f.exists():
+        raise FileNotFoundError(f"{f}: no config.json")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    return ModelConfig.from_hf_config(d, where=str(f))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# YAML files with dotted command-line overrides; strict dataclass sections
+
+
+def parse_override(item: str):
+    """'train.lr=3e-4' -> (['train', 'lr'], 3e-4); the value is read as YAML (numbers, bools, lists)."""
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected dotted.key=value")
+    key, _, raw = item.partition("=")
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override '{item}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
+    """Read a YAML mapping and apply dotted overrides (which may only set keys, never invent sections)."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = d
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{item}': '{'.'.join(keys[:i + 1])}' is not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return d
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}: {key}" if where.endswith((".json", ".yaml", ".yml")) else f"{where}.{key}"
+
+
+def build_section(cls, d: dict | None, where: str):
+    """Strict dataclass from a mapping: unknown keys are errors with a suggestion; simple types are checked."""
+    d = {} if d is None else d
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in d:
+        if k not in fields:
+            raise ConfigError(f"{_at(where, k)}: unknown key{closest(k, fields)}")
+    kwargs = {}
+    for k, v in d.items():
+        default = fields[k].default
+        if default is not dataclasses.MISSING and default is not None and v is not None:
+            want = type(default)
+            if want is float and isinstance(v, str):
+                try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+                    v = float(v)
+                except ValueError:
+                    pass
+            if want is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            elif want is bool and not isinstance(v, bool) or want in (int, str) and type(v) is not want:
+                raise ConfigError(f"{_at(where, k)}: expected {want.__name__}, got {v!r}")
+            elif want is float and not isinstance(v, float):
+                raise ConfigError(f"{_at(where, k)}: expected a number, got {v!r}")
+        kwargs[k] = v
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(_at(where, str(e))) from None

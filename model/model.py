@@ -1,0 +1,605 @@
+"""DeepSeek-V4 in plain PyTorch: module and parameter names are the release's tensor names.
+
+    embed -> [Block x L] -> hc_head collapse -> norm -> head
+    Block:  mHC pre (Sinkhorn mix) -> attn_norm -> Attention -> mHC post
+            mHC pre                -> ffn_norm  -> MoE       -> mHC post
+    Attention: shared-KV MQA (one K == V head), partial interleaved RoPE on the last dims, sinks,
+               a sliding window of `sliding_window` tokens, plus per layer type
+               CSA: entries compressed every `csa_ratio` tokens (two overlapping series) and picked
+                    per query by the Lightning Indexer (top-k), or
+               HCA: entries compressed every `hca_ratio` tokens, attended densely;
+               grouped low-rank output projection.
+    MoE: sqrt(softplus) scores; top-k (bias for selection only) or a frozen tid2eid hash table;
+         normalized weights x routed_scaling_factor; clamped SwiGLU experts + a shared expert.
+
+Routing: `forward(..., return_routing=True)` also returns the expert ids every layer used,
+(B, T, L, top_k); `replay_experts=` of that shape makes the top-k layers use the given ids
+instead of their own top-k (gate weights still come from the layer's own scores, so the router
+is trained). Hash layers always use their table.
+
+Shape comments use B batch, T tokens, D hidden, H heads, n hc streams, E experts, k top-k.
+The math follows `transformers`' DeepseekV4ForCausalLM (the test oracle); mixing, pooling, router
+logits and softmaxes run in fp32 as in DeepSeek's own inference code.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import CSA, HCA, SLIDING, ModelConfig
+
+# ---------------------------------------------------------------------------------------------------------
+# small pieces
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm; the weight stays fp32 and the product is taken in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x):
+        xf = x.float()
+        return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def rms_unweighted(x, eps: float):
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Interleaved RoPE tables: (cos, sin) of shape (..., rope_dim/2) for integer positions."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: dict | None):
+        super().__init__()
+        self.rope_dim, self.theta, self.yarn = rope_dim, theta, yarn
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device=None):
+        d, base = self.rope_dim, self.theta
+        inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        if self.yarn is None:
+            return inv
+        factor = float(self.yarn["factor"])
+        orig = float(self.yarn["original_max_position_embeddings"])
+        beta_fast, beta_slow = self.yarn.get("beta_fast") or 32, self.yarn.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(math.floor(corr_dim(beta_fast)), 0), min(math.ceil(corr_dim(beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (inv / factor) * (1 - extrapolation) + inv * extrapolation
+
+    def reset(self):
+        self.inv_freq = self.compute_inv_freq(self.inv_freq.device)
+
+    def forward(self, pos: torch.Tensor):
+        freqs = pos.float()[..., None] * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin, inverse: bool = False):
+    """Rotate the last 2*cos.shape[-1] dims of x in interleaved pairs (fp32 math).
+
+    x: (..., T, [heads,] dim); cos/sin broadcastable to (..., T, [1,] rd/2): pass them already shaped.
+    """
+    rd = cos.shape[-1] * 2
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    if inverse:
+        sin = -sin
+    y = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, y.to(x.dtype)], dim=-1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias. A separate class so FP8 swapping in the rollout engine finds its targets."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compressor + indexer
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one KV entry: softmax(gate + ape)-weighted sum per channel.
+
+    With `overlap` (CSA), wkv/wgate produce two series per token: Ca = [:head_dim] feeds the *next*
+    window's entry, Cb = [head_dim:] the current one, so entry w pools window w-1's Ca with window w's
+    Cb (2*ratio slots). The entry is RMS-normed and rotated at position w * ratio.
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, overlap: bool):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        width = head_dim * (2 if overlap else 1)
+        self.wkv = Linear(cfg.hidden_size, width)
+        self.wgate = Linear(cfg.hidden_size, width)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+
+    def project(self, x, pos):
+        """x (B, T, D), pos (B, T) or (T,) absolute positions -> kv, gate (B, T, width) fp32, gate incl. ape."""
+        kv = self.wkv(x).float()
+        gate = self.wgate(x).float() + self.ape[pos % self.ratio]
+        return kv, gate
+
+    def pool(self, kv, gate, cos, sin, prev=None):
+        """kv, gate: (B, n, ratio, width) complete windows. prev: (kv, gate) (B, ratio, head_dim) = Ca of
+        the window before window 0, or None (zero weight). cos/sin: (B or 1, n, rd/2) at each window's
+        first position. -> entries (B, n, head_dim) fp32, and this call's last Ca (for the next call)."""
+        hd, r = self.head_dim, self.ratio
+        last = None
+        if self.overlap:
+            B, n = kv.shape[:2]
+            kv2 = kv.new_zeros(B, n, 2 * r, hd)
+            g2 = gate.new_full((B, n, 2 * r, hd), float("-inf"))
+            kv2[:, :, r:], g2[:, :, r:] = kv[..., hd:], gate[..., hd:]
+            kv2[:, 1:, :r], g2[:, 1:, :r] = kv[:, :-1, :, :hd], gate[:, :-1, :, :hd]
+            if prev is not None:
+                kv2[:, 0, :r], g2[:, 0, :r] = prev[0], prev[1]
+            last = (kv[:, -1, :, :hd], gate[:, -1, :, :hd])
+            kv, gate = kv2, g2
+        pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
+        return apply_rope(self.norm(pooled), cos, sin), last
+
+    def forward(self, x, rope_tables):
+        """Full-sequence path from position 0: entries for every complete window. x (B, T, D)."""
+        B, T, _ = x.shape
+        n = T // self.ratio
+        if n == 0:
+            return x.new_zeros(B, 0, self.head_dim, dtype=torch.float32)
+        pos = torch.arange(n * self.ratio, device=x.device)
+        kv, gate = self.project(x[:, : n * self.ratio], pos)
+        cos, sin = rope_tables
+        wpos = torch.arange(n, device=x.device) * self.ratio
+        entries, _ = self.pool(kv.view(B, n, self.ratio, -1), gate.view(B, n, self.ratio, -1),
+                               cos[wpos], sin[wpos])
+        return entries
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: score(t, s) = sum_h w_{t,h} * relu(q_{t,h} . k_s), top-k causal entries per query."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ratio = cfg.csa_ratio
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.compressor = Compressor(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
+
+    def query(self, x, q_res, cos, sin):
+        """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32."""
+        B, T, _ = x.shape
+        q = self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).float()
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, w
+
+    def scores(self, q, w, keys):
+        """q (B, T, h, d), w (B, T, h), keys (B, S, d) -> (B, T, S) fp32."""
+        s = torch.einsum("bthd,bsd->bths", q, keys.float()).relu_() * self.head_dim ** -0.5
+        return torch.einsum("bths,bth->bts", s, w)
+
+    @torch.no_grad()
+    def select(self, x, q_res, pos, comp_rope, q_rope, n_entries: int, chunk: int = 1024):
+        """Full-sequence path. -> mask (B, T, n_entries) bool: entries each query attends to.
+        The indexer gets no gradient through top-k (as in the release's RL setup)."""
+        B, T, _ = x.shape
+        keys = self.compressor(x, comp_rope)  # (B, S, d)
+        mask = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device)
+        if n_entries == 0:
+            return mask
+        k = min(self.topk, n_entries)
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            q, w = self.query(x[:, s:e], q_res[:, s:e], q_rope[0][s:e], q_rope[1][s:e])
+            sc = self.scores(q, w, keys)
+            allowed = torch.arange(n_entries, device=x.device) < ((pos[s:e] + 1) // self.ratio)[:, None]
+            sc = sc.masked_fill(~allowed, float("-inf"))
+            idx = sc.topk(k, dim=-1).indices
+            picked = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, idx, True)
+            mask[:, s:e] = picked & allowed
+        return mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention
+
+
+def attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
+    """One softmax over [window keys, compressed entries, sink].
+
+    q (B, T, H, d); window_kv (B, Kw, d); window_allowed (B or 1, T, Kw) bool;
+    comp_kv (B, S, d) or None; comp_allowed (B or 1, T, S) bool; sink (H,) -> (B, T, H, d) in q's dtype.
+    """
+    B, T, H, d = q.shape
+    qh = q.transpose(1, 2)  # (B, H, T, d)
+    logits = [torch.matmul(qh, window_kv.unsqueeze(1).transpose(-1, -2)).float() * scale]
+    masks = [window_allowed.unsqueeze(1).expand(B, 1, T, -1)]
+    if comp_kv is not None and comp_kv.shape[1] > 0:
+        logits.append(torch.matmul(qh, comp_kv.to(q.dtype).unsqueeze(1).transpose(-1, -2)).float() * scale)
+        masks.append(comp_allowed.unsqueeze(1).expand(B, 1, T, -1))
+    lg = torch.cat(logits, -1).masked_fill(~torch.cat(masks, -1), float("-inf"))
+    lg = torch.cat([lg, sink.float().view(1, H, 1, 1).expand(B, H, T, 1)], -1)
+    p = lg.softmax(-1)[..., :-1].to(q.dtype)
+    kw = window_kv.shape[1]
+    out = torch.matmul(p[..., :kw], window_kv.unsqueeze(1))
+    if len(logits) > 1:
+        out = out + torch.matmul(p[..., kw:], comp_kv.to(q.dtype).unsqueeze(1))
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_type = cfg.layer_type(layer_id)
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.scale = cfg.head_dim ** -0.5
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.head_dim)
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_groups = cfg.o_groups
+        self.wo_a = Linear(cfg.num_attention_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(cfg.num_attention_heads, dtype=torch.float32))
+        self.compressor = self.indexer = None
+        if self.layer_type == CSA:
+            self.compressor = Compressor(cfg, cfg.csa_ratio, cfg.head_dim, overlap=True)
+            self.indexer = Indexer(cfg)
+        elif self.layer_type == HCA:
+            self.compressor = Compressor(cfg, cfg.hca_ratio, cfg.head_dim, overlap=False)
+
+    # pieces shared with the rollout engine's incremental path
+    def project_q(self, x, cos, sin):
+        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too)."""
+        B, T, _ = x.shape
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms_unweighted(self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
+        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), q_res
+
+    def project_kv(self, x, cos, sin):
+        """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head."""
+        return apply_rope(self.norm(self.wkv(x)), cos, sin)
+
+    def project_out(self, o, cos, sin):
+        """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position."""
+        B, T = o.shape[:2]
+        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        g = o.reshape(B, T, self.o_groups, -1)
+        wa = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])  # (G, R, H*d/G)
+        return self.wo_b(torch.einsum("btgi,gri->btgr", g, wa).flatten(2))
+
+    def forward(self, x, ctx, chunk: int = 512):
+        """Full-sequence path from position 0. x (B, T, D) -> (B, T, D)."""
+        B, T, _ = x.shape
+        pos = ctx["pos"]
+        cos, sin = ctx[self.rope_kind]
+        q, q_res = self.project_q(x, cos, sin)
+        kv = self.project_kv(x, cos, sin)
+        comp, comp_mask = None, None
+        if self.compressor is not None:
+            comp = self.compressor(x, ctx["compress"])
+            S = comp.shape[1]
+            if self.indexer is not None:
+                comp_mask = self.indexer.select(x, q_res, pos, ctx["compress"], ctx["compress"], S)
+            else:
+                comp_mask = (torch.arange(S, device=x.device) < ((pos + 1) // self.compressor.ratio)[:, None])[None]
+        outs = []
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            k0 = max(0, s - self.window + 1)
+            qp, kp = pos[s:e, None], pos[None, k0:e]
+            allowed = ((kp <= qp) & (kp > qp - self.window))[None]
+            outs.append(attend(q[:, s:e], kv[:, k0:e], allowed, comp,
+                               None if comp_mask is None else comp_mask[:, s:e], self.attn_sink, self.scale))
+        return self.project_out(torch.cat(outs, 1), cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MoE
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.topk, self.n_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.score_func, self.route_scale, self.norm_topk = cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob
+        self.hash = cfg.is_hash_layer(layer_id)
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        else:  # aux-loss-free balancing bias: used to pick experts, never to weight them
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def scores(self, x):
+        """x (N, D) -> (N, E) fp32 scores."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.score_func == "softmax":
+            return logits.softmax(-1)
+        if self.score_func == "sigmoid":
+            return logits.sigmoid()
+        return F.softplus(logits).sqrt()
+
+    def forward(self, x, input_ids=None, replay=None):
+        """x (N, D), input_ids (N,), replay (N, k) or None -> weights (N, k) fp32, ids (N, k) long."""
+        s = self.scores(x)
+        if self.hash:
+            idx = self.tid2eid[input_ids].long()
+        elif replay is not None:
+            idx = replay.long()
+        else:
+            idx = (s + self.bias).topk(self.topk, dim=-1, sorted=False).indices
+        w = s.gather(1, idx)
+        if self.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.route_scale, idx
+
+
+def swiglu(gate, up, limit: float):
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per projection: w1/w3 (E, I, D), w2 (E, D, I).
+
+    The release stores experts.{e}.w{1,2,3}.weight; the loader writes them into slice e.
+    `expert_offset` is the first global expert id held here (expert parallelism).
+    """
+
+    def __init__(self, cfg: ModelConfig, n_local: int | None = None, expert_offset: int = 0):
+        super().__init__()
+        E = cfg.n_routed_experts if n_local is None else n_local
+        self.n_local, self.expert_offset, self.limit = E, expert_offset, cfg.swiglu_limit
+        I, D = cfg.moe_intermediate_size, cfg.hidden_size
+        self.w1 = nn.Parameter(torch.empty(E, I, D))
+        self.w2 = nn.Parameter(torch.empty(E, D, I))
+        self.w3 = nn.Parameter(torch.empty(E, I, D))
+
+    def forward_sorted(self, xs, counts):
+        """xs (M, D) rows grouped by local expert, counts (E,) -> (M, D). Loop over experts with tokens."""
+        out = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c:
+                h = swiglu(xs[start:start + c] @ self.w1[e].T, xs[start:start + c] @ self.w3[e].T, self.limit)
+                out[start:start + c] = h @ self.w2[e].T
+                start += c
+        return out
+
+    def forward(self, x, idx, w):
+        """x (N, D), idx (N, k) local expert ids, w (N, k) -> (N, D) = sum_k w * expert_k(x)."""
+        N, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_local)
+        tok = order // k
+        ys = self.forward_sorted(x[tok], counts) * w.reshape(-1)[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, ys)
+
+
+class MLP(nn.Module):
+    """Shared expert (SwiGLU, clamped like the routed ones)."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, inter), Linear(inter, dim), Linear(dim, inter)
+        self.limit = limit
+
+    def forward(self, x):
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.gate = Gate(cfg, layer_id)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, x, input_ids, replay=None):
+        """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]))
+        y = self.experts(flat, idx, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape), idx.view(*shape[:-1], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# manifold-constrained hyper-connections
+
+
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
+    """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
+
+    comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column)."""
+    n = x.shape[-2]
+    flat = rms_unweighted(x.flatten(-2).float(), norm_eps)
+    mix = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    base = base.float()
+    pre = torch.sigmoid(pre_w * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + base[n:2 * n])
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(-2).to(x.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(out, x, post, comb):
+    """out (B, T, D) block output, x (B, T, n, D) streams -> new streams: post * out + comb^T @ x."""
+    mixed = torch.matmul(comb.transpose(-1, -2), x.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        n, D = cfg.hc_mult, cfg.hidden_size
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, layer_id)
+        mix = (2 + n) * n
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, n * D, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def hc(self, site, x):
+        c = self.cfg
+        return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, x, input_ids, ctx, replay=None):
+        """x (B, T, n, D) -> (B, T, n, D), expert ids (B, T, k)."""
+        h, post, comb = self.hc("attn", x)
+        x = hc_post(self.attn(self.attn_norm(h), ctx), x, post, comb)
+        h, post, comb = self.hc("ffn", x)
+        y, idx = self.ffn(self.ffn_norm(h), input_ids, replay)
+        return hc_post(y, x, post, comb), idx
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = Linear(D, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.rope_main = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+        self.rope_compress = Rope(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+        self.activation_checkpointing = False
+
+    # -- init -------------------------------------------------------------------------------------------
+    @staticmethod
+    def keeps_fp32(name: str) -> bool:
+        """Norms, sinks, mHC, compressor position biases and the gate bias stay fp32 in every mode."""
+        leaf = name.rsplit(".", 1)[-1]
+        return leaf.startswith("hc_") or leaf in ("attn_sink", "ape", "bias") or name.endswith("norm.weight")
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02):
+        """Random init for training from scratch (and for tests). Hash tables get k distinct experts per token."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
+                val = torch.zeros(p.shape)
+            elif leaf.endswith("_scale") or (leaf == "weight" and p.ndim == 1):
+                val = torch.ones(p.shape)
+            else:
+                val = torch.randn(p.shape, generator=g) * std
+            p.copy_(val.to(p.dtype))
+        for layer in self.layers:
+            gate = layer.ffn.gate
+            if gate.hash:
+                V, k, E = gate.tid2eid.shape[0], gate.topk, gate.n_experts
+                gate.tid2eid.copy_(torch.rand(V, E, generator=g).argsort(-1)[:, :k])
+            else:
+                gate.bias.zero_()
+        self.reset_buffers()
+        return self
+
+    def reset_buffers(self):
+        """Recompute non-persistent buffers (after building on `meta` and `to_empty`)."""
+        self.rope_main.reset()
+        self.rope_compress.reset()
+
+    def set_dtype(self, dtype: torch.dtype):
+        """Cast to `dtype`, keeping norms, sinks, mHC, ape and the gate bias in fp32."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if self.keeps_fp32(name) else dtype)
+        return self
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def rope_ctx(self, T: int, device):
+        pos = torch.arange(T, device=device)
+        return {"pos": pos, "main": self.rope_main(pos), "compress": self.rope_compress(pos)}
+
+    def hc_head(self, x):
+        """(B, T, n, D) -> (B, T, D)."""
+        flat = rms_unweighted(x.flatten(-2).float(), self.cfg.rms_norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
+                            + self.hc_head_base.float()) + self.cfg.hc_eps
+        return (pre.unsqueeze(-1) * x).sum(-2).to(x.dtype)
+
+    def forward(self, input_ids, attention_mask=None, replay_experts=None, return_routing: bool = False,
+                return_hidden: bool = False):
+        """input_ids (B, T) long -> logits (B, T, V) [, routing (B, T, L, k) long].
+
+        attention_mask (B, T): 1 for real tokens, right padding only. Causality already keeps every real
+        token from seeing the padding after it, so the mask is only checked here; losses use it.
+        replay_experts (B, T, L, k): expert ids to use in the top-k layers instead of their own choice.
+        return_hidden: return the final normed hidden states (B, T, D) instead of logits.
+        """
+        B, T = input_ids.shape
+        if attention_mask is not None:
+            m = attention_mask.to(torch.int64)
+            if (m[:, 1:] > m[:, :-1]).any():
+                raise ValueError("attention_mask must be right-padded (ones then zeros in every row)")
+        if replay_experts is not None and replay_experts.shape[:3] != (B, T, len(self.layers)):
+            raise ValueError(f"replay_experts must be (B, T, L, k) = ({B}, {T}, {len(self.layers)}, k), "
+                             f"got {tuple(replay_experts.shape)}")
+        ctx = self.rope_ctx(T, input_ids.device)
+        h = self.embed(input_ids)
+        x = h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        routing = []
+        for i, layer in enumerate(self.layers):
+            replay = None if replay_experts is None else replay_experts[:, :, i]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x, idx = checkpoint(layer, x, input_ids, ctx, replay, use_reentrant=False)
+            else:
+                x, idx = layer(x, input_ids, ctx, replay)
+            routing.append(idx)
+        h = self.norm(self.hc_head(x))
+        out = h if return_hidden else self.head(h)
+        if return_routing:
+            return out, torch.stack(routing, dim=2)
+        return out
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Transformer:
+    """Random-init model on `device` in `dtype` (fp32-kept tensors stay fp32)."""
+    with torch.device(device):
+        m = Transformer(cfg)
+    if seed is not None:
+        m.init_weights(seed)
+    return m.set_dtype(dtype)

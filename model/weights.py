@@ -1,0 +1,322 @@
+"""Weight I/O in the DeepSeek-V4 release layout: safetensors + JSON only (no pickle anywhere).
+
+Reading (`load_pretrained`): `config.json` + `*.safetensors` (sharded through `model.safetensors.index.json` or
+not), official names or `transformers` names, with or without the `model.` prefix. FP8 e4m3 weights carry 128x128
+block scales as `<name>.scale` (E8M0) or `<name>.weight_scale_inv` (fp32); MXFP4 experts are int8-packed e2m1
+pairs with one E8M0 scale per 32 values. The model is built on `meta`, allocated once on the target device,
+and filled one tensor at a time from memory-mapped shards, so a checkpoint is never held twice.
+
+Writing (`save_pretrained`): official names, BF16 (fp32 for the tensors the model keeps in fp32), or FP8 with
+E8M0 block scales for the dense and expert linears; shards of at most `max_shard_bytes` plus an index.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from kernels.quant import BLOCK, dequant_fp8_block, dequant_mxfp4, quant_fp8_block
+
+from .config import ModelConfig, load_hf_config
+from .model import Transformer
+
+FLOAT8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2}
+FLOATS = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
+INTS = {torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8}
+FP4 = {torch.int8, torch.uint8} | ({torch.float4_e2m1fn_x2} if hasattr(torch, "float4_e2m1fn_x2") else set())
+
+# transformers' module names -> release names (applied in order, after stripping a leading "model.")
+_HF_TO_OFFICIAL = [(re.compile(a), b) for a, b in [
+    (r"^embed_tokens\.", "embed."),
+    (r"^lm_head\.", "head."),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.q_b_proj\.", ".wq_b."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.", ".wgate."),
+    (r"\.kv_norm\.", ".norm."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.position_bias$", ".ape"),
+    (r"\.e_score_correction_bias$", ".bias"),
+]]
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_FUSED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
+# linears stored FP8 in the release (compressor/indexer-key projections, router, embed and head stay BF16)
+_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123])\.weight$")
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, unexpected, misshapen or of an unknown dtype (the message names it)."""
+
+
+def official_name(key: str) -> str:
+    name = key[len("model."):] if key.startswith("model.") else key
+    for pat, rep in _HF_TO_OFFICIAL:
+        name = pat.sub(rep, name)
+    return name
+
+
+def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightError(f"{index}: not a safetensors index ({e})") from None
+        files = sorted({path / f for f in wm.values()})
+        for f in files:
+            if not f.exists():
+                raise WeightError(f"{index}: lists shard {f.name}, which does not exist")
+        return files, wm
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+    wm = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            wm.update({k: f.name for k in h.keys()})
+    return files, wm
+
+
+class _Shards:
+    """Lazily opened, memory-mapped shard handles."""
+
+    def __init__(self, root: Path, weight_map: dict[str, str]):
+        self.root, self.wm, self.handles = root, weight_map, {}
+
+    def get(self, key: str) -> torch.Tensor:
+        fname = self.wm[key]
+        if fname not in self.handles:
+            try:
+                self.handles[fname] = safe_open(self.root / fname, framework="pt")
+            except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+                raise WeightError(f"{self.root / fname}: cannot read safetensors file ({e})") from None
+        try:
+            return self.handles[fname].get_tensor(key)
+        except Exception as e:
+            raise WeightError(f"{self.root / fname}: cannot read tensor '{key}' ({e})") from None
+
+    def is_scale(self, key: str) -> bool:
+        """`<m>.scale` / `<m>.weight_scale_inv` next to a `<m>.weight` (not e.g. transformers' `attn_hc.scale`)."""
+        for suf in _SCALE_SUFFIXES:
+            if key.endswith(suf) and key[: -len(suf)] + ".weight" in self.wm:
+                return True
+        return False
+
+    def scale_for(self, key: str) -> str | None:
+        base = key[: -len(".weight")] if key.endswith(".weight") else key
+        for suf in _SCALE_SUFFIXES:
+            if base + suf in self.wm:
+                return base + suf
+        return None
+
+
+def _decode(key: str, t: torch.Tensor, shards: _Shards, device) -> torch.Tensor:
+    """Raw checkpoint tensor -> a floating (or integer) tensor on `device`, dequantized if it has a scale."""
+    scale_key = shards.scale_for(key) if key.endswith(".weight") else None
+    if t.dtype in FLOAT8:
+        if scale_key is None:
+            raise WeightError(f"tensor '{key}' is {t.dtype} but has no block scale "
+                              f"('{key[:-7]}.scale' or '{key[:-7]}.weight_scale_inv')")
+        return dequant_fp8_block(t.to(device), shards.get(scale_key).to(device), torch.float32, BLOCK)
+    if t.dtype in FP4 and scale_key is not None:
+        return dequant_mxfp4(t.to(device), shards.get(scale_key).to(device), torch.float32)
+    if t.dtype in FLOATS or t.dtype in INTS:
+        return t.to(device)
+    raise WeightError(f"tensor '{key}' has unsupported dtype {t.dtype}")
+
+
+def load_state(model: Transformer, path: str | Path, device=None, progress: bool = True) -> None:
+    """Fill every parameter and persistent buffer of `model` (already allocated) from a checkpoint directory."""
+    path = Path(path)
+    files, wm = _checkpoint_files(path)
+    shards = _Shards(path, wm)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    targets = dict(model.state_dict(keep_vars=True))
+    tied = model.cfg.tie_word_embeddings
+    filled: set = set()
+    experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "Experts"}
+
+    def put(name, dst, src, label):
+        if tuple(dst.shape) != tuple(src.shape):
+            raise WeightError(f"tensor '{label}': shape {tuple(src.shape)} in the checkpoint, the model "
+                              f"(config.json) expects {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+        filled.add(name)
+
+    by_file: dict[str, list[str]] = {}
+    for k, f in wm.items():
+        by_file.setdefault(f, []).append(k)
+    for f in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=not progress):
+        for key in sorted(by_file.get(f.name, [])):
+            if shards.is_scale(key):
+                continue
+            name = official_name(key)
+            if name.startswith("mtp."):
+                continue  # multi-token-prediction layers: not part of the decoder we build
+            m = _EXPERT.match(name) or _FUSED.match(name)
+            if m is not None:
+                mod = experts.get(m.group(1))
+                if mod is None:
+                    raise WeightError(f"tensor '{key}': no layer '{m.group(1)}' in this config")
+                t = _decode(key, shards.get(key), shards, device)
+                if m.re is _EXPERT:
+                    local = int(m.group(2)) - mod.expert_offset
+                    if 0 <= local < mod.n_local:
+                        put((f"{m.group(1)}.{m.group(3)}", local), getattr(mod, m.group(3))[local], t, key)
+                    continue
+                lo, hi = mod.expert_offset, mod.expert_offset + mod.n_local
+                if m.group(2) == "gate_up_proj":
+                    inter = t.shape[1] // 2
+                    for e in range(lo, hi):
+                        put((f"{m.group(1)}.w1", e - lo), mod.w1[e - lo], t[e, :inter], key)
+                        put((f"{m.group(1)}.w3", e - lo), mod.w3[e - lo], t[e, inter:], key)
+                else:
+                    for e in range(lo, hi):
+                        put((f"{m.group(1)}.w2", e - lo), mod.w2[e - lo], t[e], key)
+                continue
+            if name == "head.weight" and tied:
+                continue
+            if name not in targets:
+                raise WeightError(f"{path / f.name}: tensor '{key}' (as '{name}') is not part of a DeepSeek-V4 "
+                                  f"model with this config.json")
+            put(name, targets[name], _decode(key, shards.get(key), shards, device), key)
+
+    missing = []
+    for name in targets:
+        mod_name, _, leaf = name.rpartition(".")
+        if mod_name in experts:
+            n = experts[mod_name].n_local
+            got = sum((name, i) in filled for i in range(n))
+            if got < n:
+                first = next(i for i in range(n) if (name, i) not in filled) + experts[mod_name].expert_offset
+                missing.append(f"{mod_name}.{first}.{leaf}.weight (and {n - got - 1} more experts)")
+        elif name not in filled and not (tied and name == "head.weight"):
+            missing.append(name)
+    if missing:
+        raise WeightError(f"{path}: checkpoint lacks {len(missing)} tensor(s), first: {missing[:5]}")
+
+
+def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
+                    cfg: ModelConfig | None = None) -> Transformer:
+    """Read a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Transformer in eval mode.
+
+    Tensors the model keeps in fp32 (norms, sinks, mHC, ape, gate bias) stay fp32; everything else is `dtype`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory")
+    cfg = cfg or load_hf_config(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.set_dtype(dtype)
+    model.to_empty(device=device)
+    load_state(model, path, device, progress)
+    model.reset_buffers()
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# writing
+
+
+def export_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(release name, tensor) for every tensor of `model`, experts split per expert."""
+    experts = {n for n, m in model.named_modules() if type(m).__name__ == "Experts"}
+    offsets = {n: m.expert_offset for n, m in model.named_modules() if type(m).__name__ == "Experts"}
+    for name, t in model.state_dict().items():
+        mod, _, leaf = name.rpartition(".")
+        if mod in experts:
+            for e in range(t.shape[0]):
+                yield f"{mod}.{e + offsets[mod]}.{leaf}.weight", t[e]
+        elif name == "head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        else:
+            yield name, t
+
+
+def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = False, dtype=torch.bfloat16,
+                    max_shard_bytes: int = 5 * 2 ** 30, cfg: ModelConfig | None = None,
+                    tensors: Iterable[tuple[str, torch.Tensor]] | None = None, progress: bool = False) -> Path:
+    """Write config.json + sharded safetensors + index in the release layout.
+
+    fp8=True stores the dense attention/shared-expert/expert linears as float8_e4m3fn with E8M0 128x128 block
+    scales (`<name>.scale`). `tensors` (release name, full tensor) replaces `model` for sharded callers.
+    Files are written under temporary names and renamed; the index is written last.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = cfg or model.cfg
+    tensors = tensors if tensors is not None else export_tensors(model)
+    quant = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+             "weight_block_size": [BLOCK, BLOCK]} if fp8 else None
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    written: list[tuple[str, dict]] = []
+
+    def flush():
+        nonlocal size
+        if shards[-1]:
+            tmp = path / f".tmp-shard-{len(written)}.safetensors"
+            save_file(shards[-1], str(tmp), metadata={"format": "pt"})
+            written.append((tmp.name, {k: None for k in shards[-1]}))
+            shards[-1] = {}
+            size = 0
+
+    total = 0
+    for name, t in tqdm(tensors, desc="saving", unit="tensor", disable=not progress):
+        t = t.detach()
+        out: dict[str, torch.Tensor] = {}
+        if fp8 and t.ndim == 2 and (_FP8_LINEAR.search(name) or _EXPERT.match(name)):
+            q, s = quant_fp8_block(t, torch.float8_e4m3fn, BLOCK, "ue8m0")
+            out[name], out[name[: -len(".weight")] + ".scale"] = q, s
+        elif t.is_floating_point():
+            keep = Transformer.keeps_fp32(name)
+            out[name] = t.to(torch.float32 if keep else dtype)
+        else:
+            out[name] = t
+        for k, v in out.items():
+            v = v.contiguous().cpu()
+            nbytes = v.numel() * v.element_size()
+            if size and size + nbytes > max_shard_bytes:
+                flush()
+            shards[-1][k] = v
+            size += nbytes
+            total += nbytes
+    flush()
+
+    n = len(written)
+    weight_map = {}
+    for i, (tmp, keys) in enumerate(written):
+        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(path / tmp, path / final)
+        weight_map.update({k: final for k in keys})
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(quant), indent=2))
+    index_tmp = path / ".tmp-index.json"
+    index_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    os.replace(index_tmp, path / "model.safetensors.index.json")
+    return path

@@ -1,0 +1,101 @@
+"""Config parsing: release naming, transformers naming, YAML validation with messages that name the key."""
+import json
+
+import pytest
+
+from model.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, load_hf_config, load_yaml
+
+# DeepSeek-V4-Flash's release config.json (the keys our loader reads, and some it must ignore)
+FLASH_RELEASE = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "expert_dtype": "fp4",
+    "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu",
+    "hidden_size": 4096, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+    "max_position_embeddings": 1048576, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 6,
+    "num_hidden_layers": 43, "num_hash_layers": 3, "num_key_value_heads": 1, "num_nextn_predict_layers": 1,
+    "o_groups": 8, "o_lora_rank": 1024, "q_lora_rank": 1024, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "vocab_size": 129280, "compress_rope_theta": 160000, "bos_token_id": 0, "eos_token_id": 1,
+    # 44 entries: the last one is the MTP layer's
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
+
+
+def test_release_config_equals_dsv4_yaml(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FLASH_RELEASE))
+    rel = load_hf_config(tmp_path)
+    yml = ModelConfig.from_dict(load_yaml("configs/dsv4.yaml")["model"])
+    assert rel == yml
+    assert rel.layer_types[:4] == [SLIDING, SLIDING, CSA, HCA] and len(rel.compress_ratios) == 43
+    counts = rel.param_counts()
+    assert 283e9 < counts["total"] < 285e9 and 13e9 < counts["active"] < 13.5e9  # 284B total, 13B active
+
+
+def test_transformers_config_naming():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DeepseekV4Config(
+        num_hidden_layers=5, hidden_size=64, layer_types=[SLIDING, CSA, HCA, CSA, HCA],
+        compress_rates={CSA: 2, HCA: 16}, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3,
+        partial_rotary_factor=0.25, head_dim=64, index_head_dim=32,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128})
+    c = ModelConfig.from_hf_config(hf.to_dict())
+    assert c.compress_ratios == [0, 2, 16, 2, 16] and (c.csa_ratio, c.hca_ratio) == (2, 16)
+    assert c.num_hash_layers == 2 and c.qk_rope_head_dim == 16
+    assert c.rope_scaling["factor"] == 8.0 and c.compress_rope_theta == 160000.0 and c.rope_theta == 10000.0
+    # and back: our config.json is read by transformers into the same architecture
+    back = transformers.DeepseekV4Config(**c.to_hf_config())
+    assert back.layer_types == hf.layer_types and back.mlp_layer_types == hf.mlp_layer_types
+    assert back.compress_rates == hf.compress_rates and back.qk_rope_head_dim == 16
+
+
+def test_ambiguous_compress_ratios_need_layer_types():
+    with pytest.raises(ConfigError, match="compress_ratios uses only ratio 8"):
+        ModelConfig.from_hf_config({"num_hidden_layers": 2, "compress_ratios": [0, 8]})
+    c = ModelConfig.from_hf_config({"num_hidden_layers": 3, "compress_ratios": [1, 8, 2]})  # 1 = no compression
+    assert c.compress_ratios == [0, 8, 2] and (c.csa_ratio, c.hca_ratio) == (2, 8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.hiden_size=64", r"model\.hiden_size: unknown key \(did you mean 'hidden_size'\?\)"),
+    ("model.hidden_size=sixty", r"model\.hidden_size: expected int"),
+    ("model.num_experts_per_tok=9", r"model\.num_experts_per_tok: 9 > n_routed_experts"),
+    ("model.compress_ratios=[0,4,5,4]", r"model\.compress_ratios\[2\]: 5 is none of"),
+    ("model.compress_ratios=[0,4]", r"model\.compress_ratios: has 2 entries"),
+    ("model.qk_rope_head_dim=15", r"model\.qk_rope_head_dim: must be even"),
+    ("model.n_routed_experts=300", r"model\.n_routed_experts: .*uint8"),
+    ("model.rope_scaling={type: linear}", r"model\.rope_scaling\.type: only 'yarn'"),
+])
+def test_yaml_validation_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(load_yaml("configs/tiny.yaml", [override])["model"])
+
+
+def test_overrides_and_file_errors(tmp_path):
+    c = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.hidden_size=96", "model.hc_eps=1e-5"])["model"])
+    assert c.hidden_size == 96 and c.hc_eps == 1e-5
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_yaml("configs/tiny.yaml", ["model.hidden_size"])
+    with pytest.raises(ConfigError, match="not a section"):
+        load_yaml("configs/tiny.yaml", ["model.hidden_size.x=1"])
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+        load_yaml(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+        load_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "dsv4"])
+def test_shipped_configs_load(name):
+    c = ModelConfig.from_dict(load_yaml(f"configs/{name}.yaml")["model"])
+    assert {SLIDING, CSA, HCA} <= set(c.layer_types) and 0 < c.num_hash_layers < c.num_hidden_layers
+    if name == "mini":
+        assert 2e9 < c.param_counts()["total"] < 5e9

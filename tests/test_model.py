@@ -1,0 +1,98 @@
+"""Model behaviour beyond the oracle: routing exposure and replay, activation checkpointing, dtypes."""
+import pytest
+import torch
+
+from model import ModelConfig, build_model
+from model.config import load_yaml
+from model.model import Experts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
+    return _model(cfg)
+
+
+def _model(cfg):
+    m = build_model(cfg, seed=0)
+    with torch.no_grad():  # larger weights than the training init, so routing depends on the input
+        for name, p in m.named_parameters():
+            if p.ndim >= 2 and "hc_" not in name:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return m
+
+
+def test_routing_is_returned_and_replay_uses_exactly_the_given_experts(tiny, monkeypatch):
+    cfg = tiny.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    logits, routing = tiny(ids, return_routing=True)
+    L, k, E = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.n_routed_experts
+    assert routing.shape == (2, 48, L, k) and routing.max() < E
+    # hash layers route by the table
+    assert torch.equal(routing[:, :, 0].sort(-1).values, tiny.layers[0].ffn.gate.tid2eid[ids].sort(-1).values)
+    # replaying the model's own routing reproduces its logits
+    assert torch.allclose(tiny(ids, replay_experts=routing), logits, atol=1e-5)
+
+    # replay a different, random routing and record what the experts actually receive
+    g = torch.Generator().manual_seed(1)
+    replay = torch.rand(2, 48, L, E, generator=g).argsort(-1)[..., :k].to(torch.uint8)
+    seen = []
+    orig = Experts.forward
+
+    def spy(self, x, idx, w):
+        seen.append(idx.clone())
+        return orig(self, x, idx, w)
+    monkeypatch.setattr(Experts, "forward", spy)
+    out, used = tiny(ids, replay_experts=replay, return_routing=True)
+    monkeypatch.undo()
+    for layer in range(L):
+        want = routing[:, :, layer] if layer < cfg.num_hash_layers else replay[:, :, layer].long()
+        assert torch.equal(seen[layer].view(2, 48, k), want), layer
+        assert torch.equal(used[:, :, layer], want)
+    assert not torch.allclose(out, logits, atol=1e-3)
+
+    # gate weights still come from the model's own scores: the router of a replayed layer learns
+    tiny.zero_grad()
+    tiny(ids, replay_experts=replay).logsumexp(-1).mean().backward()
+    for layer in range(cfg.num_hash_layers, L):
+        gw = tiny.layers[layer].ffn.gate.weight.grad
+        assert gw is not None and gw.abs().sum() > 0, layer
+
+
+def test_activation_checkpointing_same_loss_and_grads(tiny):
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def grads(ckpt):
+        tiny.zero_grad()
+        tiny.activation_checkpointing = ckpt
+        loss = torch.nn.functional.cross_entropy(tiny(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        tiny.activation_checkpointing = False
+        return loss.item(), {n: p.grad.clone() for n, p in tiny.named_parameters() if p.grad is not None}
+
+    l0, g0 = grads(False)
+    l1, g1 = grads(True)
+    assert l0 == l1 and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-6, rtol=1e-5), n
+
+
+def test_bf16_model_keeps_fp32_islands_and_tracks_fp32(tiny):
+    m = build_model(tiny.cfg, seed=0)
+    m16 = build_model(tiny.cfg, seed=0, dtype=torch.bfloat16)
+    dt = {n: p.dtype for n, p in m16.named_parameters()}
+    assert dt["layers.0.attn.wq_a.weight"] == torch.bfloat16 and dt["embed.weight"] == torch.bfloat16
+    for n in ["layers.0.attn.attn_sink", "layers.0.hc_attn_fn", "layers.1.attn.compressor.ape", "norm.weight",
+              "layers.1.attn.norm.weight", "hc_head_scale"]:
+        assert dt[n] == torch.float32, n
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = m(ids).float().log_softmax(-1), m16(ids).float().log_softmax(-1)
+    assert (a - b).abs().mean() < 0.02
+
+
+def test_padding_must_be_on_the_right(tiny):
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+    with pytest.raises(ValueError, match="right-padded"):
+        tiny(ids, attention_mask=mask)

@@ -1,0 +1,66 @@
+"""Our DeepSeek-V4 against transformers' DeepseekV4ForCausalLM: same weights, same logits (fp32, <= 1e-4)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model import load_pretrained, save_pretrained
+from tests.oracle import CASES, make_hf
+
+pytest.importorskip("transformers")
+TOL = 1e-4
+
+
+def _ids(case, B, T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CASES[case]["vocab_size"], (B, T), generator=g)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    hf = make_hf(case)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path, progress=False)
+    # longer than several compress windows of every compressed layer, and than the sliding window
+    ids = _ids(case, 2, 67)
+    mask = torch.ones_like(ids)
+    mask[1, 45:] = 0  # right padding on the second row
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask).logits
+        out = ours(ids, attention_mask=mask)
+        alone = ours(ids[1:, :45])
+    assert ref.abs().max() > 0.1, "oracle logits are degenerate"
+    assert (out[0] - ref[0]).abs().max() <= TOL
+    assert (out[1, :45] - ref[1, :45]).abs().max() <= TOL
+    # padding changes nothing for real tokens
+    assert (alone[0] - out[1, :45]).abs().max() <= TOL
+
+
+def test_transformers_native_names_with_prefix(tmp_path):
+    """A state dict in transformers' own module names (model.layers.N.self_attn.q_a_proj..., fused experts)."""
+    hf = make_hf("mixed", seed=3)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any("self_attn.q_a_proj" in k for k in sd) and any("experts.gate_up_proj" in k for k in sd)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    ours = load_pretrained(tmp_path, progress=False)
+    ids = _ids("mixed", 1, 50, seed=4)
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() <= TOL
+
+
+def test_transformers_reads_our_release_layout(tmp_path):
+    """Our save_pretrained writes the release layout; transformers' loader maps it back to the same model."""
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = make_hf("wide_hc", seed=5)
+    hf.save_pretrained(tmp_path / "a")
+    ours = load_pretrained(tmp_path / "a", progress=False)
+    save_pretrained(ours, tmp_path / "b", dtype=torch.float32)
+    keys = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "embed.weight" in keys and "layers.0.ffn.experts.0.w1.weight" in keys and "hc_head_fn" in keys
+    back = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32).eval()
+    ids = _ids("wide_hc", 2, 40, seed=6)
+    with torch.no_grad():
+        assert (back(ids).logits - hf(ids).logits).abs().max() <= TOL

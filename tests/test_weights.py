@@ -1,0 +1,163 @@
+"""Release-layout I/O: round trips, FP8/MXFP4 checkpoints, sharding, prefixes, and errors that name the tensor."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kernels.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4, scale_to_float
+from model import ModelConfig, build_model, load_pretrained, save_pretrained
+from model.config import load_yaml
+from model.weights import WeightError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
+    return build_model(cfg, seed=0)
+
+
+def _all_tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _rewrite(path, tensors):
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}}))
+
+
+def test_bf16_round_trip_is_exact(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path)
+    back = load_pretrained(tmp_path, dtype=torch.bfloat16, progress=False)
+    ref = {k: v.clone() for k, v in tiny.state_dict().items()}
+    for k, v in back.state_dict().items():
+        want = ref[k] if (tiny.keeps_fp32(k) or not v.is_floating_point()) else ref[k].to(torch.bfloat16)
+        assert v.dtype == want.dtype and torch.equal(v, want), k
+    ids = torch.randint(0, tiny.cfg.vocab_size, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(back(ids), load_pretrained(tmp_path, dtype=torch.bfloat16, progress=False)(ids))
+
+
+def test_fp32_round_trip_sharded_and_prefixed(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path / "a", dtype=torch.float32, max_shard_bytes=200_000)
+    files = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert len(files) > 2 and files[0].name.startswith("model-00001-of-")
+    back = load_pretrained(tmp_path / "a", progress=False)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, tiny.state_dict()[k]), k
+    # the same tensors under a "model." prefix, in one unindexed file
+    (tmp_path / "b").mkdir()
+    save_file({"model." + k: v for k, v in _all_tensors(tmp_path / "a").items()},
+              str(tmp_path / "b" / "weights.safetensors"))
+    (tmp_path / "b" / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 70))
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path / "b", progress=False)(ids), tiny(ids))
+
+
+def test_fp8_checkpoint_within_format_error(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path, fp8=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.get_slice("layers.0.attn.wq_a.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.0.attn.wq_a.scale").get_dtype() == "F8_E8M0"
+        assert f.get_slice("layers.1.ffn.experts.3.w2.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.1.attn.compressor.wkv.weight").get_dtype() == "BF16"  # stays BF16
+        assert f.get_slice("embed.weight").get_dtype() == "BF16"
+    back = load_pretrained(tmp_path, progress=False)
+    w, w8 = tiny.layers[0].attn.wq_a.weight, back.layers[0].attn.wq_a.weight
+    _, s = quant_fp8_block(w, torch.float8_e4m3fn)
+    step = scale_to_float(s).repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    assert ((w8 - w).abs() <= w.abs() * 2 ** -4 + step * 2 ** -10).all()
+    assert not torch.equal(w8, w)
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 64))
+    with torch.no_grad():
+        a, b = tiny(ids).log_softmax(-1), back(ids).log_softmax(-1)
+    assert (a - b).abs().max() < 0.1
+
+
+def test_release_fp32_scales_and_mxfp4_experts(tiny, tmp_path):
+    """DeepSeek-V3-style fp32 `weight_scale_inv` for dense layers, Flash-style MXFP4 routed experts."""
+    save_pretrained(tiny, tmp_path, dtype=torch.float32)
+    t = _all_tensors(tmp_path)
+    q, s = quant_fp8_block(t["layers.2.attn.wq_b.weight"], torch.float8_e4m3fn, scale_fmt="fp32")
+    t["layers.2.attn.wq_b.weight"], t["layers.2.attn.wq_b.weight_scale_inv"] = q, s
+    expected = {}
+    for k in [k for k in t if ".ffn.experts." in k]:
+        packed, scale = quant_mxfp4(t[k])
+        t[k], t[k[: -len(".weight")] + ".scale"] = packed, scale
+        expected[k] = dequant_mxfp4(packed, scale)
+    _rewrite(tmp_path, t)
+    back = load_pretrained(tmp_path, progress=False)
+    assert torch.equal(back.layers[2].attn.wq_b.weight, dequant_fp8_block(q, s))
+    assert torch.equal(back.layers[1].ffn.experts.w3[5], expected["layers.1.ffn.experts.5.w3.weight"])
+    assert torch.equal(back.layers[3].ffn.experts.w2[0], expected["layers.3.ffn.experts.0.w2.weight"])
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path)
+    t = _all_tensors(tmp_path)
+    del t["layers.1.attn.indexer.weights_proj.weight"], t["layers.2.ffn.experts.6.w1.weight"]
+    _rewrite(tmp_path, t)
+    with pytest.raises(WeightError, match=r"layers\.1\.attn\.indexer\.weights_proj\.weight") as e:
+        load_pretrained(tmp_path, progress=False)
+    assert "layers.2.ffn.experts.6.w1.weight" in str(e.value)
+
+
+def test_shape_mismatch_is_named(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path)
+    t = _all_tensors(tmp_path)
+    t["layers.0.attn.wkv.weight"] = torch.zeros(7, 64, dtype=torch.bfloat16)
+    _rewrite(tmp_path, t)
+    with pytest.raises(WeightError, match=r"layers\.0\.attn\.wkv\.weight.*\(7, 64\).*\(32, 64\)"):
+        load_pretrained(tmp_path, progress=False)
+
+
+def test_unknown_dtype_unscaled_fp8_and_unexpected_tensor_are_named(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path)
+    good = _all_tensors(tmp_path)
+    bad = dict(good, **{"layers.0.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.bool)})
+    _rewrite(tmp_path, bad)
+    with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_a\.weight.*dtype"):
+        load_pretrained(tmp_path, progress=False)
+    bad = dict(good, **{"layers.0.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn)})
+    _rewrite(tmp_path, bad)
+    with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_a\.weight.*no block scale"):
+        load_pretrained(tmp_path, progress=False)
+    bad = dict(good, **{"layers.0.attn.wq_c.weight": torch.zeros(3, 3)})
+    _rewrite(tmp_path, bad)
+    with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_c\.weight"):
+        load_pretrained(tmp_path, progress=False)
+
+
+def test_corrupt_shard_and_missing_files(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path, max_shard_bytes=200_000)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(WeightError, match=shard.name):
+        load_pretrained(tmp_path, progress=False)
+    shard.unlink()
+    with pytest.raises(WeightError, match=f"lists shard {shard.name}"):
+        load_pretrained(tmp_path, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(tmp_path / "empty", progress=False)
+
+
+def test_weight_io_never_pickles(tiny, tmp_path, monkeypatch):
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("pickle used in weight I/O")
+    for name in ("load", "loads", "dump", "dumps", "Pickler", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    save_pretrained(tiny, tmp_path, fp8=True)
+    load_pretrained(tmp_path, progress=False)
