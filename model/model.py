@@ -374,14 +374,19 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, D, I))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
 
+    def expert(self, e: int):
+        """(w1, w2, w3) of local expert e; the rollout engine's FP8 experts dequantize here."""
+        return self.w1[e], self.w2[e], self.w3[e]
+
     def forward_sorted(self, xs, counts):
         """xs (M, D) rows grouped by local expert, counts (E,) -> (M, D). Loop over experts with tokens."""
         out = torch.empty_like(xs)
         start = 0
         for e, c in enumerate(counts.tolist()):
             if c:
-                h = swiglu(xs[start:start + c] @ self.w1[e].T, xs[start:start + c] @ self.w3[e].T, self.limit)
-                out[start:start + c] = h @ self.w2[e].T
+                w1, w2, w3 = self.expert(e)
+                x = xs[start:start + c]
+                out[start:start + c] = swiglu(x @ w1.T, x @ w3.T, self.limit) @ w2.T
                 start += c
         return out
 

@@ -63,7 +63,7 @@ _HF_TO_OFFICIAL = [(re.compile(a), b) for a, b in [
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _FUSED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 # linears stored FP8 in the release (compressor/indexer-key projections, router, embed and head stay BF16)
-_FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123])\.weight$")
+FP8_LINEAR = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123])\.weight$")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 
 
@@ -291,7 +291,7 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
     for name, t in tqdm(tensors, desc="saving", unit="tensor", disable=not progress):
         t = t.detach()
         out: dict[str, torch.Tensor] = {}
-        if fp8 and t.ndim == 2 and (_FP8_LINEAR.search(name) or _EXPERT.match(name)):
+        if fp8 and t.ndim == 2 and (FP8_LINEAR.search(name) or _EXPERT.match(name)):
             q, s = quant_fp8_block(t, torch.float8_e4m3fn, BLOCK, "ue8m0")
             out[name], out[name[: -len(".weight")] + ".scale"] = q, s
         elif t.is_floating_point():

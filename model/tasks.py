@@ -1,0 +1,246 @@
+"""Prompt sources and verifiable rewards.
+
+* `DigitTask`: procedurally generated digit puzzles with the built-in character tokenizer. The answer is a
+  function of the prompt (no constant output beats chance); prompts whose hash falls in the held-out bucket are
+  never used for training and make up the evaluation set.
+* `JsonlTask`: `{"prompt": ..., "answer": ...}` lines (GSM8K `#### 42` and `\\boxed{}` answers understood), scored
+  by `math_reward`, which compares final answers after number/expression normalization.
+Both give `batch(n)` (deterministic from the seed and an internal cursor), `eval_items()`, `reward(completion,
+answer)` in [0, 1], `correct(completion, answer)` and `state()` / `load_state()` for checkpoints.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+
+@dataclass
+class Item:
+    prompt: str
+    answer: str
+
+
+def _bucket(text: str, buckets: int) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % buckets
+
+
+class DigitTask:
+    """Digit puzzles over `length` digits, prompt text "3725:":
+
+      max     -> "7"    the largest digit; prompts are drawn so the answer is uniform over 0-9
+      last    -> "5"    the digit before ':'
+      copy    -> "3725"
+      reverse -> "5273"
+      sort    -> "2357"
+      addmod  -> "0"    (first + second) mod 10 (length 2)
+
+    No constant output beats chance (1/10 per digit). Reward: matching positions / max(len(answer), len(output)),
+    so extra output costs; `correct` is exact match. Prompts whose hash falls in bucket 0 of `heldout_buckets`
+    never appear in training; the evaluation set is drawn from them.
+    """
+
+    KINDS = ("max", "last", "copy", "reverse", "sort", "addmod")
+
+    def __init__(self, kind: str = "max", length: int = 4, seed: int = 0, heldout_buckets: int = 10,
+                 eval_size: int = 64):
+        if kind not in self.KINDS:
+            raise ValueError(f"task.digits_kind must be one of {self.KINDS}, got {kind!r}")
+        self.kind, self.length, self.seed, self.buckets = kind, (2 if kind == "addmod" else length), seed, heldout_buckets
+        self.cursor = 0
+        rng, seen = random.Random(f"{seed}:eval"), set()
+        for _ in range(200 * eval_size):
+            if len(seen) == eval_size:
+                break
+            p = self._sample(rng)
+            if self.is_heldout(p):
+                seen.add(p)
+        self._eval = [Item(p, self.answer(p)) for p in sorted(seen)]
+
+    def _sample(self, rng: random.Random) -> str:
+        if self.kind == "max":  # answer first, uniform; then digits not above it, one of them equal
+            m = rng.randrange(10)
+            d = [rng.randrange(m + 1) for _ in range(self.length)]
+            d[rng.randrange(self.length)] = m
+            return "".join(map(str, d)) + ":"
+        return "".join(str(rng.randrange(10)) for _ in range(self.length)) + ":"
+
+    def is_heldout(self, prompt: str) -> bool:
+        return self.buckets > 1 and _bucket(prompt, self.buckets) == 0
+
+    def answer(self, prompt: str) -> str:
+        d = prompt.rstrip(":")
+        return {"max": lambda: max(d), "last": lambda: d[-1], "copy": lambda: d, "reverse": lambda: d[::-1],
+                "sort": lambda: "".join(sorted(d)), "addmod": lambda: str((int(d[0]) + int(d[1])) % 10)}[self.kind]()
+
+    def batch(self, n: int) -> list[Item]:
+        rng = random.Random(f"{self.seed}:{self.cursor}")
+        self.cursor += 1
+        out = []
+        while len(out) < n:
+            p = self._sample(rng)
+            if not self.is_heldout(p):
+                out.append(Item(p, self.answer(p)))
+        return out
+
+    def eval_items(self) -> list[Item]:
+        return self._eval
+
+    def reward(self, completion: str, answer: str) -> float:
+        hits = sum(a == b for a, b in zip(completion, answer))
+        return hits / max(len(answer), len(completion), 1)
+
+    def correct(self, completion: str, answer: str) -> bool:
+        return completion == answer
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state(self, s: dict):
+        self.cursor = int(s["cursor"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# JSONL datasets and math answers
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*{")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _last_boxed(text: str) -> str | None:
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    i, depth = starts[-1], 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """Final answer of a solution or completion: the last \\boxed{...}, else what follows the last '####', else the
+    last number in the text."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.splitlines()[0].strip() if tail else None
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def normalize_answer(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    s = re.sub(r"\\text\s*{([^}]*)}", r"\1", s)
+    s = re.sub(r"\\[dt]?frac\s*{([^}]*)}\s*{([^}]*)}", r"(\1)/(\2)", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "").replace("\\%", "%")
+    s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\$", "")
+    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # thousands separators
+    s = s.rstrip(".").strip()
+    if s.endswith("%"):
+        s = s[:-1].strip()
+    return re.sub(r"\s+", "", s).lower()
+
+
+def _as_number(s: str) -> Fraction | None:
+    s = s.replace("(", "").replace(")", "")
+    try:
+        if "/" in s:
+            a, b = s.split("/", 1)
+            return Fraction(a) / Fraction(b)
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(pred: str | None, gold: str) -> bool:
+    if pred is None:
+        return False
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    if p == g:
+        return True
+    a, b = _as_number(p), _as_number(g)
+    if a is None or b is None:
+        return False
+    return a == b or math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+
+
+def math_reward(completion: str, gold: str) -> float:
+    return 1.0 if answers_match(extract_answer(completion), gold) else 0.0
+
+
+class JsonlTask:
+    """`{"prompt": ..., "answer": ...}` per line. Answers in GSM8K form ('... #### 72') or with \\boxed{} are reduced
+    to their final answer. Malformed lines are skipped and counted (`bad_lines`), or fatal with strict=True."""
+
+    def __init__(self, path: str | Path, seed: int = 0, eval_path: str | Path | None = None, eval_size: int = 64,
+                 strict: bool = False):
+        self.seed, self.cursor, self.bad_lines = seed, 0, 0
+        self._order: tuple[int, list[int]] = (-1, [])
+        items = self._read(Path(path), strict)
+        if eval_path:
+            self._eval = self._read(Path(eval_path), strict)
+            self.items = items
+        else:  # hold out a fixed slice, chosen by content hash so it does not move when the file grows
+            ranked = sorted(items, key=lambda it: _bucket(it.prompt, 2 ** 31))
+            self._eval, held = ranked[:eval_size], {id(it) for it in ranked[:eval_size]}
+            self.items = [it for it in items if id(it) not in held]
+        if not self.items:
+            raise ValueError(f"{path}: no training items left")
+
+    def _read(self, path: Path, strict: bool) -> list[Item]:
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: dataset not found")
+        out = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                prompt, answer = d["prompt"], d["answer"]
+                if not isinstance(prompt, str) or not prompt.strip():
+                    raise ValueError("empty or non-string prompt")
+                gold = extract_answer(str(answer)) if ("####" in str(answer) or "boxed" in str(answer)) else str(answer)
+                if gold is None or not gold.strip():
+                    raise ValueError("no final answer")
+                out.append(Item(prompt, gold))
+            except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
+                if strict:
+                    raise ValueError(f"{path}:{n}: malformed line ({e})") from None
+                self.bad_lines += 1
+        return out
+
+    def batch(self, n: int) -> list[Item]:
+        out = []
+        while len(out) < n:
+            epoch, pos = divmod(self.cursor, len(self.items))
+            if self._order[0] != epoch:
+                order = list(range(len(self.items)))
+                random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
+                self._order = (epoch, order)
+            out.append(self.items[self._order[1][pos]])
+            self.cursor += 1
+        return out
+
+    def eval_items(self) -> list[Item]:
+        return self._eval
+
+    def reward(self, completion: str, answer: str) -> float:
+        return math_reward(completion, answer)
+
+    def correct(self, completion: str, answer: str) -> bool:
+        return math_reward(completion, answer) == 1.0
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state(self, s: dict):
+        self.cursor = int(s["cursor"])

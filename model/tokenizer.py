@@ -1,0 +1,83 @@
+"""Tokenizers: a built-in character tokenizer for the procedural tasks, and `tokenizer.json` via `tokenizers`.
+
+Both expose the same small surface: encode(text) -> ids, decode(ids) -> text, bos_id, eos_id, pad_id,
+vocab_size, and apply_chat(prompt) -> ids (BOS + the chat template around the prompt).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+CHARS = "0123456789+-*=:,?|()<>abcdefghijklmnopqrstuvwxyz "
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet, after <pad>=0, <bos>=1, <eos>=2."""
+
+    specials = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self, alphabet: str = CHARS, vocab_size: int | None = None):
+        self.alphabet = alphabet
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.vocab_size = vocab_size or len(self.specials) + len(alphabet)
+        if self.vocab_size < len(self.specials) + len(alphabet):
+            raise ValueError(f"vocab_size {self.vocab_size} < {len(self.specials)} specials + "
+                             f"{len(alphabet)} characters")
+        self._id = {c: i + len(self.specials) for i, c in enumerate(alphabet)}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._id[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the built-in alphabet {self.alphabet!r}") from None
+
+    def decode(self, ids) -> str:
+        n = len(self.specials)
+        return "".join(self.alphabet[i - n] if n <= i < n + len(self.alphabet) else "" for i in ids)
+
+    def apply_chat(self, prompt: str) -> list[int]:
+        return [self.bos_id] + self.encode(prompt)
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (the `tokenizers` package) with a chat template given as a format string.
+
+    template: e.g. "<｜User｜>{prompt}<｜Assistant｜>"; BOS/EOS are looked up by token string.
+    """
+
+    def __init__(self, path: str | Path, template: str = "{prompt}", bos: str | None = None,
+                 eos: str | None = None, pad: str | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("a tokenizer.json needs the 'tokenizers' package: pip install '.[tokenizers]'") from None
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: tokenizer file not found")
+        self.tok = Tokenizer.from_file(str(path))
+        if "{prompt}" not in template:
+            raise ValueError(f"chat template {template!r} has no {{prompt}} placeholder")
+        self.template = template
+        self.vocab_size = self.tok.get_vocab_size()
+
+        def token_id(s, what):
+            if s is None:
+                return None
+            i = self.tok.token_to_id(s)
+            if i is None:
+                raise ValueError(f"{path}: {what} token {s!r} is not in the vocabulary")
+            return i
+        self.bos_id = token_id(bos, "bos")
+        self.eos_id = token_id(eos, "eos")
+        self.pad_id = token_id(pad, "pad") if pad else (self.eos_id if self.eos_id is not None else 0)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat(self, prompt: str) -> list[int]:
+        ids = self.encode(self.template.format(prompt=prompt))
+        return ([self.bos_id] if self.bos_id is not None else []) + ids

@@ -1,0 +1,96 @@
+"""The simple rollout engine against the model's full-sequence forward, sampling controls, FP8 holders, updates."""
+import pytest
+import torch
+
+from model import ModelConfig, build_model
+from model.config import load_yaml
+from rollout_server import Engine, FP8Experts, FP8Linear, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+    m = build_model(cfg, seed=0)
+    with torch.no_grad():  # larger than the training init so that attention and routing depend on the input
+        for n, p in m.named_parameters():
+            if p.ndim >= 2 and "hc_" not in n:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return m.eval()
+
+
+def _prompts(lengths, vocab=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_matches_full_forward(model):
+    """Mixed prompt lengths, 40 new tokens: the CSA (ratio 4) and HCA (ratio 16) layers and the 16-token window
+    all roll over many times inside incremental decoding."""
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_batch_tokens=40)
+    prompts = _prompts([1, 5, 17, 33, 50])
+    outs = eng.generate(prompts, GREEDY)
+    for o in outs:
+        full = torch.tensor([o.prompt_token_ids + o.token_ids])
+        with torch.no_grad():
+            logits, routing = model(full, return_routing=True)
+        P = len(o.prompt_token_ids)
+        step_logits = logits[0, P - 1:-1]
+        assert step_logits.argmax(-1).tolist() == o.token_ids
+        lp = step_logits.log_softmax(-1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        assert torch.allclose(lp, torch.tensor(o.logprobs), atol=1e-4)
+        assert o.routed_experts.dtype == torch.uint8
+        assert torch.equal(o.routed_experts.long(), routing[0, :-1])
+        assert o.finish_reason == "length" and len(o.token_ids) == 40
+
+
+def test_shared_prefixes_and_stops(model):
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu")
+    p = _prompts([9], seed=1)[0]
+    alone = eng.generate([p], GREEDY)[0]
+    batch = eng.generate([p, _prompts([4], seed=2)[0], p, p], GREEDY)
+    for o in (batch[0], batch[2], batch[3]):
+        assert o.token_ids == alone.token_ids and torch.equal(o.routed_experts, alone.routed_experts)
+    stop = alone.token_ids[5]
+    cut = eng.generate([p], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]))[0]
+    first = alone.token_ids.index(stop)
+    assert cut.token_ids == alone.token_ids[:first + 1] and cut.finish_reason == "stop"
+
+
+def test_sampling_seeds_top_k_top_p(model):
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu")
+    prompts = _prompts([6, 6, 11], seed=3)
+    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a, b = eng.generate(prompts, sp), eng.generate(prompts, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, seed=8, ignore_eos=True))
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    assert a[0].token_ids != a[1].token_ids or a[0].prompt_token_ids != a[1].prompt_token_ids
+    greedy = [o.token_ids for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    top1 = eng.generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, seed=1, ignore_eos=True))
+    tiny_p = eng.generate(prompts, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, seed=1, ignore_eos=True))
+    assert [o.token_ids for o in top1] == greedy and [o.token_ids for o in tiny_p] == greedy
+    # log-probs are those of the temperature-scaled distribution, before truncation
+    hot = eng.generate(prompts[:1], SamplingParams(temperature=2.0, top_k=1, max_tokens=1, seed=1))[0]
+    with torch.no_grad():
+        ref = (model(torch.tensor([prompts[0]]))[0, -1] / 2.0).log_softmax(-1)[hot.token_ids[0]]
+    assert hot.logprobs[0] == pytest.approx(ref.item(), abs=1e-5)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([[]], sp)
+
+
+def test_fp8_holders_and_weight_updates(model):
+    eng = Engine(model, fp8=True, dtype=torch.float32, device="cpu")
+    attn = eng.model.layers[1].attn
+    assert isinstance(attn.wq_a, FP8Linear) and attn.wq_a.qweight.dtype == torch.float8_e4m3fn
+    assert isinstance(eng.model.layers[0].ffn.experts, FP8Experts)
+    assert not isinstance(attn.compressor.wkv, FP8Linear) and not isinstance(attn.indexer.weights_proj, FP8Linear)
+    # new weights arrive by name and are re-quantized in place: same as an engine built from the new model
+    new = build_model(model.cfg, seed=5)
+    eng.update_weights(new.state_dict().items())
+    fresh = Engine(new, fp8=True, dtype=torch.float32, device="cpu")
+    for (k, a), (k2, b) in zip(eng.model.state_dict().items(), fresh.model.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    with pytest.raises(KeyError, match="not a tensor"):
+        eng.update_weights([("layers.0.nope", torch.zeros(1))])

@@ -1,0 +1,110 @@
+"""Tasks and rewards: the built-in digit task, JSONL datasets, math answer normalization, tokenizers."""
+import collections
+import json
+
+import pytest
+
+from model.tasks import DigitTask, JsonlTask, answers_match, extract_answer, math_reward, normalize_answer
+from model.tokenizer import CharTokenizer, HFTokenizer
+
+
+@pytest.mark.parametrize("kind, prompt, answer", [
+    ("max", "3725:", "7"), ("last", "3725:", "5"), ("copy", "3725:", "3725"), ("reverse", "3725:", "5273"),
+    ("sort", "3725:", "2357"), ("addmod", "78:", "5"),
+])
+def test_digit_answers(kind, prompt, answer):
+    assert DigitTask(kind, 4).answer(prompt) == answer
+
+
+def test_digit_task_heldout_uniform_and_deterministic():
+    t = DigitTask("max", 4, seed=3)
+    ev = {it.prompt for it in t.eval_items()}
+    assert len(ev) == 64 and all(t.is_heldout(p) for p in ev)
+    answers = collections.Counter()
+    for _ in range(100):
+        for it in t.batch(32):
+            assert it.prompt not in ev and not t.is_heldout(it.prompt)
+            answers[it.answer] += 1
+    # the answer is uniform over the ten digits, so a constant output earns 1/10
+    assert set(answers) == set("0123456789") and max(answers.values()) / sum(answers.values()) < 0.13
+    a = DigitTask("max", 4, seed=3)
+    a.load_state({"cursor": 50})
+    b = DigitTask("max", 4, seed=3)
+    for _ in range(50):
+        b.batch(32)
+    assert [x.prompt for x in a.batch(8)] == [x.prompt for x in b.batch(8)]
+    assert t.reward("7", "7") == 1.0 and t.reward("77", "7") == 0.5 and t.reward("", "7") == 0.0
+    assert t.correct("7", "7") and not t.correct("77", "7")
+
+
+@pytest.mark.parametrize("text, want", [
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+    ("so the total is \\boxed{\\frac{1}{2}} dollars", "\\frac{1}{2}"),
+    ("first \\boxed{3} then \\boxed{x^{2}+1}", "x^{2}+1"),
+    ("the answer is 1,234.5 apples", "1,234.5"),
+    ("no number here", None),
+])
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("1,000", "1000", True), ("$1000.00", "1000", True), ("\\frac{1}{2}", "0.5", True), ("1/2", "0.50", True),
+    ("50\\%", "50", True), ("\\text{72}", "72", True), ("-3", "3", False), ("x^{2}+1", "x^{2} + 1", True),
+    ("0.3333333", "1/3", True), ("0.33", "1/3", False), ("\\dfrac{3}{4}", "3/4", True),
+])
+def test_answers_match(pred, gold, ok):
+    assert answers_match(pred, gold) is ok
+
+
+def test_math_reward_and_normalize():
+    assert math_reward("We get 12 + 30 = 42. \\boxed{42}", "42") == 1.0
+    assert math_reward("#### 41", "42") == 0.0
+    assert normalize_answer(" $ 3,500 . ") == "3500"
+
+
+def test_jsonl_task_bad_lines_and_split(tmp_path):
+    lines = [json.dumps({"prompt": f"q{i}?", "answer": f"work... #### {i}"}) for i in range(20)]
+    lines += ["{not json", json.dumps({"prompt": "no answer"}), json.dumps({"prompt": "  ", "answer": "1"}),
+              json.dumps({"prompt": "boxed", "answer": "it is \\boxed{7}"})]
+    f = tmp_path / "train.jsonl"
+    f.write_text("\n".join(lines) + "\n\n")
+    t = JsonlTask(f, seed=0, eval_size=4)
+    assert t.bad_lines == 3
+    assert len(t.eval_items()) == 4 and len(t.items) == 17
+    assert {it.answer for it in t.items + t.eval_items()} == {str(i) for i in range(20)} | {"7"}
+    assert not {it.prompt for it in t.eval_items()} & {it.prompt for it in t.items}
+    first = [it.prompt for it in t.batch(40)]  # more than an epoch: every item once per epoch
+    assert sorted(first[:17]) == sorted(it.prompt for it in t.items)
+    with pytest.raises(ValueError, match=r"train\.jsonl:21: malformed line"):
+        JsonlTask(f, strict=True)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        JsonlTask(tmp_path / "missing.jsonl")
+
+
+def test_hf_tokenizer_trained_here_with_chat_template(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>", "<user>", "<assistant>"])
+    tok.train_from_iterator(["what is two plus two", "the answer is four", "how many apples are left"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path, template="<user> {prompt} <assistant>", bos="<s>", eos="</s>")
+    ids = hf.apply_chat("what is two plus two")
+    assert ids[0] == hf.bos_id and hf.eos_id == tok.token_to_id("</s>")
+    assert tok.token_to_id("<assistant>") == ids[-1]
+    assert hf.decode(hf.encode("the answer is four")).replace(" ", "") == "theansweris" + "four"
+    with pytest.raises(ValueError, match="eos token"):
+        HFTokenizer(tmp_path, eos="<nope>")
+    with pytest.raises(ValueError, match="placeholder"):
+        HFTokenizer(tmp_path, template="no slot")
+
+
+def test_char_tokenizer():
+    t = CharTokenizer("0123456789:")
+    assert t.vocab_size == 14 and t.apply_chat("12:") == [1, 4, 5, 13]
+    assert t.decode([4, 5, 2, 13]) == "12:"
+    with pytest.raises(ValueError, match="not in the built-in alphabet"):
+        t.encode("a")

@@ -1,0 +1,839 @@
+"""GRPO for DeepSeek-V4-class MoE models: every rank of one torchrun world runs this file.
+
+    torchrun --standalone --nproc-per-node 3 train_grpo.py --config configs/tiny.yaml [dotted.key=value ...]
+    torchrun --nnodes 3 --nproc-per-node 8 ... train_grpo.py --config configs/dsv4.yaml --resume auto
+
+Roles: the last `deploy.rollout_ranks` ranks serve rollouts (rollout_server.py); the others are actor ranks.
+Actor rank 0 is the driver: it draws prompts, asks the rollout ranks for completions, scores them, hands the
+batch to the actor ranks, and broadcasts the updated weights back.
+
+The algorithm, every choice named (defaults in TrainConfig):
+  * G = train.group_size samples per prompt, train.prompts_per_step prompts per step.
+  * Advantage of sample i in its group: A_i = (r_i - mean(r)) / (std(r) + 1e-6), std unbiased;
+    train.adv_std_norm=false drops the division (Dr. GRPO). One advantage for every token of a completion.
+  * Dynamic sampling (train.dynamic_sampling): groups whose rewards are all equal carry no signal; they are
+    dropped and replaced by fresh prompts, up to train.max_refill_rounds extra rollout rounds; if still short,
+    the batch is filled back with dropped groups (zero advantage).
+  * Policy loss per completion token: max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high)) with
+    rho = pi_theta / pi_old (clip-higher: eps_high > eps_low). pi_old is the actor's own policy before this
+    step's updates, recomputed in BF16 (or the actor dtype) from the rollout's tokens.
+  * Truncated importance sampling: the rollout sampled from its FP8 policy mu, so each token's loss is weighted
+    by min(pi_old / mu, train.tis_cap) (detached).
+  * Optional KL to a frozen reference (train.kl_coef > 0, default 0): k3 = exp(ref - logp) - (ref - logp) - 1.
+  * Aggregation (train.loss_agg): token-mean (sum over tokens / tokens in the mini-batch), seq-mean-token-mean
+    (mean over sequences of per-sequence token means), seq-mean-token-sum-norm (sum over tokens / (sequences x
+    rollout.max_tokens), Dr. GRPO). Denominators count the whole mini-batch across actor ranks.
+  * train.minibatches optimizer steps per rollout batch; AdamW, linear warmup to train.lr over
+    train.warmup_steps optimizer steps, then constant; gradient clipping at train.grad_clip (global norm).
+  * Routing replay (train.routing_replay): off, or R3 = the actor's forward uses the expert ids the rollout
+    engine picked (gate weights still come from the actor's scores, so the router learns).
+  * Logged mismatch between the rollout and the actor: mismatch_kl = mean k3 estimate of KL(mu || pi_old)
+    over completion tokens, and mean |log mu - log pi_old|.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from model import ModelConfig, build_model, load_pretrained, save_pretrained
+from model.config import ConfigError, build_section, closest, load_yaml
+from model.tasks import DigitTask, JsonlTask
+from model.tokenizer import CharTokenizer, HFTokenizer
+from rollout_server import Engine, RolloutClient, SamplingParams, recv_msg, send_msg, serve
+
+# ---------------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class DeployConfig:
+    rollout_ranks: int = 1            # the last ranks of the world; on multi-node runs, a node of their own
+    backend: str = "auto"             # auto = nccl when CUDA is available, else gloo
+    timeout_s: float = 1800.0
+    cpu_threads: int = 0              # torch threads per rank on CPU; 0 = cores / local ranks
+
+    def __post_init__(self):
+        if self.rollout_ranks < 1:
+            raise ConfigError("rollout_ranks: need at least one rollout rank")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"backend: must be auto, nccl or gloo, got {self.backend!r}")
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "digits"              # digits (built-in) | jsonl
+    digits_kind: str = "reverse"      # reverse | sort | addmod
+    digits_length: int = 3
+    path: str = ""                    # jsonl: {"prompt": ..., "answer": ...} per line
+    eval_path: str = ""
+    strict: bool = False              # jsonl: a malformed line is fatal instead of skipped and counted
+    tokenizer: str = ""               # jsonl: tokenizer.json (or a directory holding one)
+    chat_template: str = "{prompt}"
+    bos_token: str = ""
+    eos_token: str = ""
+    eval_size: int = 64
+
+    def __post_init__(self):
+        if self.kind not in ("digits", "jsonl"):
+            raise ConfigError(f"kind: must be digits or jsonl, got {self.kind!r}")
+        if self.kind == "jsonl" and not (self.path and self.tokenizer):
+            raise ConfigError("path: a jsonl task needs task.path and task.tokenizer")
+        if self.digits_kind not in DigitTask.KINDS:
+            raise ConfigError(f"digits_kind: must be one of {DigitTask.KINDS}, got {self.digits_kind!r}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 16
+    group_size: int = 8
+    minibatches: int = 2
+    micro_batch: int = 0              # sequences per forward/backward on a rank; 0 = the whole mini-batch
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    loss_agg: str = "token-mean"
+    adv_std_norm: bool = True
+    kl_coef: float = 0.0
+    tis_cap: float = 2.0
+    dynamic_sampling: bool = True
+    max_refill_rounds: int = 2
+    routing_replay: str = "R3"        # off | R3
+    dtype: str = "fp32"               # actor parameter dtype: fp32 | bf16
+    activation_checkpointing: bool = False
+
+    LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+    def __post_init__(self):
+        for k in ("steps", "prompts_per_step", "group_size", "minibatches"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{k}: must be >= 1")
+        if self.group_size < 2:
+            raise ConfigError("group_size: GRPO needs at least 2 samples per prompt")
+        if self.loss_agg not in self.LOSS_AGGS:
+            raise ConfigError(f"loss_agg: must be one of {self.LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.routing_replay not in ("off", "R3"):
+            raise ConfigError(f"routing_replay: must be off or R3, got {self.routing_replay!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.eps_low < 1 or self.eps_high < 0 or self.tis_cap <= 0 or self.lr <= 0:
+            raise ConfigError("eps_low/eps_high/tis_cap/lr: out of range")
+
+
+@dataclass
+class RolloutConfig:
+    fp8: bool = True
+    dtype: str = "bf16"               # compute dtype of the engine
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 8
+    sync_bucket_mb: float = 64.0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.temperature <= 0 or self.max_tokens < 1 or not 0 < self.top_p <= 1:
+            raise ConfigError("temperature/max_tokens/top_p: out of range")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 25                   # steps; 0 = never (the last step is always evaluated when > 0)
+    pass_k: int = 4
+    temperature: float = 1.0
+
+
+@dataclass
+class CkptConfig:
+    every: int = 50                   # steps; 0 = never
+    keep: int = 2
+    export_final: bool = True         # <out_dir>/final in the release layout
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SECTIONS = {"deploy": DeployConfig, "task": TaskConfig, "train": TrainConfig, "rollout": RolloutConfig,
+            "eval": EvalConfig, "ckpt": CkptConfig}
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    seed: int = 0
+    init_from: str = ""               # checkpoint directory to start from; empty = random init
+    plot: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+
+    @classmethod
+    def load(cls, path, overrides=()) -> "RunConfig":
+        d = load_yaml(path, overrides)
+        top = {f.name for f in dataclasses.fields(cls)}
+        for k in d:
+            if k not in top:
+                raise ConfigError(f"{path}: {k}: unknown key{closest(k, top)}")
+        kw = {}
+        for k in ("out_dir", "seed", "init_from", "plot"):
+            if k in d:
+                want = type(getattr(cls, k))
+                if not isinstance(d[k], want) or isinstance(d[k], bool) and want is not bool:
+                    raise ConfigError(f"{path}: {k}: expected {want.__name__}, got {d[k]!r}")
+                kw[k] = d[k]
+        if "model" not in d and not d.get("init_from"):
+            raise ConfigError(f"{path}: model: a model section (or init_from) is required")
+        if "model" in d:
+            kw["model"] = ModelConfig.from_dict(d["model"], f"{path}: model")
+        for name, sec in SECTIONS.items():
+            kw[name] = build_section(sec, d.get(name), f"{path}: {name}")
+        cfg = cls(**kw)
+        if cfg.init_from:
+            from model.config import load_hf_config
+            cfg.model = load_hf_config(cfg.init_from)
+        return cfg
+
+    def validate_world(self, world: int):
+        n_actor = world - self.deploy.rollout_ranks
+        if n_actor < 1:
+            raise ConfigError(f"deploy.rollout_ranks: {self.deploy.rollout_ranks} rollout ranks leave no actor rank "
+                              f"in a world of {world}")
+        total = self.train.prompts_per_step * self.train.group_size
+        if total % (n_actor * self.train.minibatches):
+            raise ConfigError(f"train.prompts_per_step x train.group_size = {total} sequences must split evenly "
+                              f"into train.minibatches ({self.train.minibatches}) x actor ranks ({n_actor})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the GRPO algorithm
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True) -> torch.Tensor:
+    """rewards (P * G,) grouped consecutively -> advantages (P * G,)."""
+    r = rewards.view(-1, group_size)
+    a = r - r.mean(-1, keepdim=True)
+    if std_norm:
+        a = a / (r.std(-1, keepdim=True) + 1e-6)
+    return a.reshape(-1)
+
+
+def policy_loss(logp, old_logp, rollout_logp, adv, mask, cfg: TrainConfig, norm: dict, ref_logp=None,
+                max_tokens: int = 1):
+    """Per-token clipped surrogate with truncated importance sampling, aggregated per cfg.loss_agg.
+
+    logp/old_logp/rollout_logp/mask: (S, T); adv: (S,). norm: global counts of the mini-batch across ranks:
+    {"tokens": ..., "seqs": ...}. Returns (loss summed over this rank's share, stats of sums)."""
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    pg1, pg2 = -a * ratio, -a * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    pg = torch.maximum(pg1, pg2)
+    behav = torch.exp(old_logp - rollout_logp)
+    tis = behav.clamp(max=cfg.tis_cap).detach()
+    tok = tis * pg
+    if cfg.kl_coef > 0 and ref_logp is not None:
+        d = ref_logp - logp
+        tok = tok + cfg.kl_coef * (torch.exp(d) - d - 1)
+    tok = tok * mask
+    if cfg.loss_agg == "token-mean":
+        loss = tok.sum() / norm["tokens"]
+    elif cfg.loss_agg == "seq-mean-token-mean":
+        loss = (tok.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / norm["seqs"]
+    else:
+        loss = tok.sum() / (norm["seqs"] * max_tokens)
+    stats = {"clip": ((pg2 > pg1).float() * mask).sum().item(),
+             "tis_trunc": ((behav > cfg.tis_cap).float() * mask).sum().item()}
+    return loss, stats
+
+
+def token_logprobs(model, ids, attn_mask, loss_mask, temperature: float, replay=None, chunk: int = 4096):
+    """log pi(ids[t+1] | ids[:t+1]) at every position (S, T-1) and the entropy summed over loss_mask positions.
+
+    The head runs only where loss_mask is set, in chunks, so a 129k vocabulary never materializes (S, T, V)."""
+    h = model(ids, attention_mask=attn_mask, replay_experts=replay, return_hidden=True)[:, :-1]
+    sel = loss_mask.bool()
+    hs, tgt = h[sel], ids[:, 1:][sel]
+    lps, ent = [], h.new_zeros((), dtype=torch.float32)
+    for s in range(0, hs.shape[0], chunk):
+        logits = model.head(hs[s:s + chunk]).float() / temperature
+        lp = logits.log_softmax(-1)
+        lps.append(lp.gather(-1, tgt[s:s + chunk, None])[:, 0])
+        with torch.no_grad():
+            ent = ent + -(lp.exp() * lp).sum()
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=ids.device)
+    out = out.masked_scatter(sel, torch.cat(lps)) if lps else out
+    return out, ent
+
+
+# ---------------------------------------------------------------------------------------------------------
+# distributed plumbing
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    n_actor: int
+    device: torch.device
+    actor_group: object
+    sync_group: object
+
+    @property
+    def is_actor(self):
+        return self.rank < self.n_actor
+
+    @property
+    def actor_rank(self):
+        return self.rank
+
+    @property
+    def rollout_ranks(self):
+        return list(range(self.n_actor, self.world))
+
+
+def init_dist(cfg: RunConfig) -> Dist:
+    if "RANK" not in os.environ:
+        raise SystemExit("train_grpo.py runs under torchrun, e.g.\n"
+                         "  torchrun --standalone --nproc-per-node 3 train_grpo.py --config configs/tiny.yaml")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg.validate_world(world)
+    backend = cfg.deploy.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(cfg.deploy.cpu_threads or max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.deploy.timeout_s))
+    n_actor = world - cfg.deploy.rollout_ranks
+    actor_group = dist.new_group(list(range(n_actor)))
+    sync_group = dist.new_group([0] + list(range(n_actor, world)))
+    return Dist(rank, world, n_actor, device, actor_group, sync_group)
+
+
+def bcast_batch(batch: dict | None, d: Dist) -> dict:
+    """Driver -> every actor rank: a dict of tensors, header first (JSON), then raw bytes."""
+    if d.n_actor == 1:
+        return batch
+    if d.rank == 0:
+        spec = json.dumps([[k, str(v.dtype), list(v.shape)] for k, v in batch.items()]).encode()
+        n = torch.tensor([len(spec)], dtype=torch.int64, device=d.device)
+        dist.broadcast(n, 0, group=d.actor_group)
+        dist.broadcast(torch.frombuffer(bytearray(spec), dtype=torch.uint8).to(d.device), 0, group=d.actor_group)
+        for v in batch.values():
+            dist.broadcast(v.contiguous().to(d.device), 0, group=d.actor_group)
+        return batch
+    n = torch.zeros(1, dtype=torch.int64, device=d.device)
+    dist.broadcast(n, 0, group=d.actor_group)
+    buf = torch.zeros(int(n), dtype=torch.uint8, device=d.device)
+    dist.broadcast(buf, 0, group=d.actor_group)
+    out = {}
+    for k, dt, shape in json.loads(buf.cpu().numpy().tobytes().decode()):
+        t = torch.zeros(shape, dtype=getattr(torch, dt.replace("torch.", "")), device=d.device)
+        dist.broadcast(t, 0, group=d.actor_group)
+        out[k] = t
+    return out
+
+
+def allreduce_grads(params, d: Dist):
+    """Sum gradients over actor ranks (losses are already normalized by global counts)."""
+    if d.n_actor == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=d.actor_group)
+    o = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[o:o + g.numel()].view_as(g).to(p.dtype)
+        o += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tasks, tokenizer
+
+
+def make_task(cfg: RunConfig):
+    t = cfg.task
+    if t.kind == "digits":
+        task = DigitTask(t.digits_kind, t.digits_length, cfg.seed, eval_size=t.eval_size)
+        tok = CharTokenizer("0123456789:")
+    else:
+        task = JsonlTask(t.path, cfg.seed, t.eval_path or None, t.eval_size, t.strict)
+        tok = HFTokenizer(t.tokenizer, t.chat_template, t.bos_token or None, t.eos_token or None)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the task's tokenizer "
+                          f"({tok.vocab_size})")
+    if tok.eos_id is not None and cfg.model.eos_token_id != tok.eos_id:
+        cfg.model.eos_token_id = tok.eos_id
+    return task, tok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver: rollouts -> batch
+
+
+def sampling(cfg: RunConfig, seed: int, n: int, temperature: float | None = None) -> list[SamplingParams]:
+    r = cfg.rollout
+    return [SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                           top_k=r.top_k, max_tokens=r.max_tokens, seed=seed)] * n
+
+
+def completion_text(tok, out) -> str:
+    ids = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+    return tok.decode(ids)
+
+
+def collect_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient):
+    """Generate, score and (with dynamic sampling) refill; returns the kept groups and rollout statistics."""
+    G, P = cfg.train.group_size, cfg.train.prompts_per_step
+    kept, dropped, stats = [], [], {"gen_tokens": 0, "reward_sum": 0.0, "correct": 0, "samples": 0, "rounds": 0}
+    for rnd in range(1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)):
+        need = P - len(kept)
+        if need <= 0:
+            break
+        items = task.batch(P if rnd == 0 else need)
+        prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
+        seed = cfg.seed * 1_000_003 + step * 101 + rnd
+        outs = client.generate(prompts, sampling(cfg, seed, len(prompts)), group_size=G)
+        stats["rounds"] += 1
+        for j, it in enumerate(items):
+            grp = outs[j * G:(j + 1) * G]
+            texts = [completion_text(tok, o) for o in grp]
+            rewards = [task.reward(t, it.answer) for t in texts]
+            if rnd == 0:  # the step's reward statistics describe the policy on a fresh batch
+                stats["reward_sum"] += sum(rewards)
+                stats["correct"] += sum(task.correct(t, it.answer) for t in texts)
+                stats["samples"] += G
+            stats["gen_tokens"] += sum(len(o.token_ids) for o in grp)
+            group = (grp, rewards)
+            (kept if (max(rewards) > min(rewards) or not cfg.train.dynamic_sampling) else dropped).append(group)
+    stats["groups_kept"] = min(len(kept), P)
+    groups = (kept + dropped)[:P]
+    return groups, stats
+
+
+def make_batch(groups, cfg: RunConfig, pad_id: int, n_layers: int, top_k: int) -> dict:
+    """Right-padded tensors for the actor: ids, attention mask, loss mask (position t predicts token t+1),
+    rollout log-probs aligned with it, advantages, and the rollout's routing for replay."""
+    G = cfg.train.group_size
+    outs = [o for grp, _ in groups for o in grp]
+    rewards = torch.tensor([r for _, rs in groups for r in rs], dtype=torch.float32)
+    adv = group_advantages(rewards, G, cfg.train.adv_std_norm)
+    T = max(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+    S = len(outs)
+    ids = torch.full((S, T), pad_id, dtype=torch.int64)
+    attn = torch.zeros(S, T, dtype=torch.int64)
+    loss_mask = torch.zeros(S, T - 1)
+    roll_lp = torch.zeros(S, T - 1)
+    routing = torch.zeros(S, T, n_layers, top_k, dtype=torch.uint8)
+    for i, o in enumerate(outs):
+        p, c = len(o.prompt_token_ids), len(o.token_ids)
+        ids[i, :p + c] = torch.tensor(o.prompt_token_ids + o.token_ids)
+        attn[i, :p + c] = 1
+        loss_mask[i, p - 1:p + c - 1] = 1
+        roll_lp[i, p - 1:p + c - 1] = torch.tensor(o.logprobs)
+        r = o.routed_experts
+        routing[i, :r.shape[0]] = r
+        routing[i, r.shape[0]:] = r[-1]  # positions never fed to the rollout: their outputs are not used
+    return {"ids": ids, "attn": attn, "loss_mask": loss_mask, "rollout_lp": roll_lp, "adv": adv,
+            "rewards": rewards, "routing": routing}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the actor
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, d: Dist):
+        self.cfg, self.d = cfg, d
+        dtype = DTYPES[cfg.train.dtype]
+        if cfg.init_from:
+            self.model = load_pretrained(cfg.init_from, d.device, dtype, progress=d.rank == 0)
+        else:
+            self.model = build_model(cfg.model, d.device, dtype, seed=cfg.seed)
+        self.model.activation_checkpointing = cfg.train.activation_checkpointing
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        t = cfg.train
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2))
+        self.opt_steps = 0
+        self.ref = None
+        if t.kl_coef > 0:
+            self.ref = build_model(cfg.model, d.device, dtype, seed=None)
+            self.ref.load_state_dict(self.model.state_dict())
+            self.ref.eval().requires_grad_(False)
+
+    def lr_at(self, opt_step: int) -> float:
+        t = self.cfg.train
+        return t.lr * min(1.0, (opt_step + 1) / max(1, t.warmup_steps))
+
+    def minibatches(self, S: int, step: int) -> list[tuple[list[int], list[int]]]:
+        """(rows of the mini-batch on all ranks, this rank's share) for every mini-batch: a seeded shuffle of
+        the batch, cut into train.minibatches, each dealt across actor ranks."""
+        order = torch.randperm(S, generator=torch.Generator().manual_seed(self.cfg.seed * 7 + step)).tolist()
+        M, n = self.cfg.train.minibatches, self.d.n_actor
+        per = S // M
+        return [(g, g[self.d.rank::n]) for g in (order[m * per:(m + 1) * per] for m in range(M))]
+
+    def micro(self, rows):
+        mb = self.cfg.train.micro_batch or len(rows)
+        return [rows[i:i + mb] for i in range(0, len(rows), mb)]
+
+    def forward_lp(self, model, b, rows, replay):
+        ids, attn = b["ids"][rows], b["attn"][rows]
+        rp = b["routing"][rows].long() if replay else None
+        return token_logprobs(model, ids, attn, b["loss_mask"][rows], self.cfg.rollout.temperature, rp)
+
+    def train_step(self, b: dict, step: int) -> dict:
+        cfg, d = self.cfg, self.d
+        b = {k: v.to(d.device) for k, v in b.items()}
+        replay = cfg.train.routing_replay == "R3"
+        mbs = self.minibatches(b["ids"].shape[0], step)
+        mine = sorted(r for _, mb in mbs for r in mb)
+        # pi_old (and the reference) for this rank's rows, before any update
+        old = torch.zeros_like(b["rollout_lp"])
+        ref = torch.zeros_like(b["rollout_lp"]) if self.ref is not None else None
+        ent = 0.0
+        with torch.no_grad():
+            for rows in self.micro(mine):
+                lp, e = self.forward_lp(self.model, b, rows, replay)
+                old[rows], ent = lp, ent + e.item()
+                if self.ref is not None:
+                    ref[rows] = self.forward_lp(self.ref, b, rows, replay)[0]
+        mask = b["loss_mask"]
+        s = {"tokens": mask[mine].sum().item(), "entropy": ent, "clip": 0.0, "tis_trunc": 0.0, "loss": 0.0,
+             "grad_norm": 0.0}
+        diff = (old - b["rollout_lp"])[mine][mask[mine].bool()]
+        s["mismatch_kl"] = (torch.exp(diff) - 1 - diff).sum().item()
+        s["mismatch_abs"] = diff.abs().sum().item()
+        for rows_all_ranks, rows in mbs:
+            norm = {"tokens": mask[rows_all_ranks].sum().item(), "seqs": len(rows_all_ranks)}
+            self.opt.zero_grad(set_to_none=True)
+            for lr_param in self.opt.param_groups:
+                lr_param["lr"] = self.lr_at(self.opt_steps)
+            for mrows in self.micro(rows):
+                lp, _ = self.forward_lp(self.model, b, mrows, replay)
+                loss, st = policy_loss(lp, old[mrows], b["rollout_lp"][mrows], b["adv"][mrows], mask[mrows],
+                                       cfg.train, norm, None if ref is None else ref[mrows], cfg.rollout.max_tokens)
+                loss.backward()
+                s["loss"] += loss.item()
+                s["clip"] += st["clip"]
+                s["tis_trunc"] += st["tis_trunc"]
+            allreduce_grads(self.params, d)
+            s["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.train.grad_clip))
+            self.opt.step()
+            self.opt_steps += 1
+        s["grad_norm"] /= len(mbs)
+        s["loss"] /= len(mbs)
+        return self._reduce(s)
+
+    def _reduce(self, s: dict) -> dict:
+        keys = ["tokens", "entropy", "clip", "tis_trunc", "loss", "mismatch_kl", "mismatch_abs"]
+        v = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.d.device)
+        if self.d.n_actor > 1:
+            dist.all_reduce(v, group=self.d.actor_group)
+        r = dict(zip(keys, v.tolist()))
+        n = max(r["tokens"], 1)
+        return {"loss": r["loss"], "entropy": r["entropy"] / n, "clip_frac": r["clip"] / n,
+                "tis_trunc_frac": r["tis_trunc"] / n, "mismatch_kl": r["mismatch_kl"] / n,
+                "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"]}
+
+    def weights(self):
+        """(name, tensor) of everything the rollout model needs: parameters and persistent buffers."""
+        return [(k, v.detach()) for k, v in self.model.state_dict().items()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints: <out>/checkpoints/step_XXXXXX/{meta.json, actor-rankNNNNN.safetensors}, written to a temporary
+# directory, renamed when complete; <out>/checkpoints/latest names the newest.
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
+    d = actor.d
+    root = out / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
+    if d.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=d.actor_group)
+    tensors = {f"rng.{k}": v for k, v in _rng_state().items()}
+    if d.rank == 0:  # replicated data parallel: rank 0 holds the whole model and optimizer
+        tensors.update({f"model.{k}": v.detach().cpu().contiguous() for k, v in actor.model.state_dict().items()})
+        for i, p in enumerate(actor.params):
+            for k, v in actor.opt.state.get(p, {}).items():
+                tensors[f"optim.{i}.{k}"] = v.detach().cpu().reshape(v.shape).contiguous()
+    save_file(tensors, str(tmp / f"actor-rank{d.rank:05d}.safetensors"))
+    dist.barrier(group=d.actor_group)
+    if d.rank == 0:
+        meta = {"step": step, "opt_steps": actor.opt_steps, "task": task.state(), "world": d.world,
+                "n_actor": d.n_actor, "python_rng": list(random.getstate()[1]), "config": cfg.to_dict()}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+        done = sorted(p for p in root.glob("step_*") if p.is_dir())
+        for old in done[:-cfg.ckpt.keep] if cfg.ckpt.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=d.actor_group)
+
+
+def find_checkpoint(out: Path, resume: str) -> Path | None:
+    if resume in ("", "none"):
+        return None
+    if resume != "auto":
+        p = Path(resume)
+        if not (p / "meta.json").exists():
+            raise SystemExit(f"--resume {resume}: not a complete checkpoint (no meta.json)")
+        return p
+    done = sorted(p for p in (out / "checkpoints").glob("step_*") if (p / "meta.json").exists())
+    return done[-1] if done else None
+
+
+def load_checkpoint(actor: Actor, task, path: Path) -> int:
+    d = actor.d
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["n_actor"] != d.n_actor:
+        raise SystemExit(f"{path}: written by {meta['n_actor']} actor ranks, this run has {d.n_actor}")
+    mine = load_file(str(path / f"actor-rank{d.rank:05d}.safetensors"))
+    model_src = mine if d.rank == 0 else load_file(str(path / "actor-rank00000.safetensors"))
+    state = {k[len("model."):]: v for k, v in model_src.items() if k.startswith("model.")}
+    actor.model.load_state_dict(state)
+    opt_src = {k: v for k, v in model_src.items() if k.startswith("optim.")}
+    for k, v in opt_src.items():
+        _, i, name = k.split(".", 2)
+        actor.opt.state[actor.params[int(i)]][name] = v.to(actor.d.device) if name != "step" else v
+    actor.opt_steps = meta["opt_steps"]
+    torch.set_rng_state(mine["rng.torch"])
+    if "rng.cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["rng.cuda"])
+    random.setstate((3, tuple(meta["python_rng"]), None))
+    task.load_state(meta["task"])
+    return meta["step"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def evaluate(cfg: RunConfig, task, tok, client: RolloutClient, step: int) -> dict:
+    items = task.eval_items()
+    prompts = [tok.apply_chat(it.prompt) for it in items]
+    greedy = client.generate(prompts, sampling(cfg, 0, len(prompts), temperature=0.0))
+    acc = sum(task.correct(completion_text(tok, o), it.answer) for o, it in zip(greedy, items)) / len(items)
+    k = cfg.eval.pass_k
+    res = {"eval_greedy_acc": acc}
+    if k > 0:
+        rep = [p for p in prompts for _ in range(k)]
+        outs = client.generate(rep, sampling(cfg, 10_000_019 + step, len(rep), cfg.eval.temperature), group_size=k)
+        hit = [any(task.correct(completion_text(tok, o), it.answer) for o in outs[j * k:(j + 1) * k])
+               for j, it in enumerate(items)]
+        res[f"eval_pass@{k}"] = sum(hit) / len(items)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# main loops
+
+
+def write_plot(metrics_path: Path, png: Path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib not installed: no plot; pip install '.[plot]' for {png.name})")
+        return
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    keys = [k for k in ("reward_mean", "accuracy", "eval_greedy_acc", "loss", "entropy", "mismatch_kl",
+                        "response_len") if any(k in r for r in rows)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3))
+    for ax, k in zip(np.atleast_1d(axes), keys):
+        xs = [r["step"] for r in rows if k in r]
+        ax.plot(xs, [r[k] for r in rows if k in r], marker="." if k.startswith("eval") else None)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    client = RolloutClient(d.rollout_ranks, d.sync_group, d.device)
+    bucket = int(cfg.rollout.sync_bucket_mb * 2 ** 20)
+    start = _agree_start(actor, task, out, resume, d)
+    if start == 0:
+        metrics_path.write_text("")
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    else:  # drop lines of steps after the checkpoint (they will be redone identically)
+        keep = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
+        metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        print(f"resumed from step {start}")
+    client.sync_weights(actor.weights(), bucket)
+    n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
+    bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
+               dynamic_ncols=True)
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            groups, rs = collect_rollouts(cfg, step, task, tok, client)
+            batch = make_batch(groups, cfg, tok.pad_id, n_layers, top_k)
+            t1 = time.perf_counter()
+            _send_cmd(d, "train", step)
+            bcast_batch(batch, d)
+            ts = actor.train_step(batch, step)
+            t2 = time.perf_counter()
+            sent = client.sync_weights(actor.weights(), bucket)
+            t3 = time.perf_counter()
+            m = {"step": step, "reward_mean": rs["reward_sum"] / rs["samples"], "accuracy": rs["correct"] / rs["samples"],
+                 **{k: ts[k] for k in ("loss", "entropy", "clip_frac", "tis_trunc_frac", "mismatch_kl",
+                                       "mismatch_abs_logp", "grad_norm")},
+                 "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
+                 "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
+                 "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
+                 "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
+                 "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
+                 "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}
+            last = step == cfg.train.steps
+            if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last):
+                m.update(evaluate(cfg, task, tok, client, step))
+            if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last):
+                _send_cmd(d, "ckpt", step)
+                save_checkpoint(actor, step, task, out, cfg)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kl=f"{m['mismatch_kl']:.1e}")
+        if cfg.ckpt.export_final:
+            save_pretrained(actor.model, out / "final")
+    finally:
+        _send_cmd(d, "stop")
+        client.stop()
+    if cfg.plot:
+        write_plot(metrics_path, out / "curves.png")
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    if rows:
+        first, last10 = rows[:5], rows[-10:]
+        print(f"done: reward first 5 steps {np.mean([r['reward_mean'] for r in first]):.3f}, "
+              f"last 10 steps {np.mean([r['reward_mean'] for r in last10]):.3f}; metrics in {metrics_path}")
+
+
+CMDS = {"train": 1, "ckpt": 2, "stop": 3}
+
+
+def _send_cmd(d: Dist, cmd: str, step: int = 0):
+    """Driver -> other actor ranks: what to do next (train, ckpt, stop) and for which step."""
+    if d.n_actor > 1:
+        dist.broadcast(torch.tensor([CMDS[cmd], step], device=d.device), 0, group=d.actor_group)
+
+
+def _agree_start(actor: Actor, task, out: Path, resume: str, d: Dist) -> int:
+    """All actor ranks resume from the same checkpoint (the driver's choice)."""
+    path = find_checkpoint(out, resume) if d.rank == 0 else None
+    name = torch.zeros(256, dtype=torch.uint8, device=d.device)
+    if d.rank == 0 and path is not None:
+        b = str(path).encode()[:256]
+        name[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    if d.n_actor > 1:
+        dist.broadcast(name, 0, group=d.actor_group)
+    s = name.cpu().numpy().tobytes().rstrip(b"\0").decode()
+    return load_checkpoint(actor, task, Path(s)) if s else 0
+
+
+def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task, resume: str):
+    """Actor ranks other than the driver: train on the driver's batches, join checkpoints, until told to stop."""
+    out = Path(cfg.out_dir)
+    _agree_start(actor, task, out, resume, d)
+    while True:
+        cmd = torch.zeros(2, dtype=torch.int64, device=d.device)
+        dist.broadcast(cmd, 0, group=d.actor_group)
+        code, step = int(cmd[0]), int(cmd[1])
+        if code == CMDS["stop"]:
+            return
+        if code == CMDS["train"]:
+            actor.train_step(bcast_batch(None, d), step)
+        elif code == CMDS["ckpt"]:
+            save_checkpoint(actor, step, task, out, cfg)
+
+
+def run_rollout(cfg: RunConfig, d: Dist):
+    model = build_model(cfg.model, d.device, DTYPES[cfg.rollout.dtype], seed=None)
+    engine = Engine(model, fp8=cfg.rollout.fp8, dtype=DTYPES[cfg.rollout.dtype], device=d.device)
+    del model
+    serve(engine, 0, d.sync_group, d.device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="GRPO for DeepSeek-V4 MoE models (run under torchrun).")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--resume", default="", help="'auto' = newest complete checkpoint in out_dir, or a path")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = RunConfig.load(args.config, args.overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    d = init_dist(cfg)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    try:
+        task, tok = make_task(cfg)
+        if d.is_actor:
+            actor = Actor(cfg, d)
+            if d.rank == 0:
+                run_driver(cfg, d, actor, task, tok, args.resume)
+            else:
+                run_follower(cfg, d, actor, task, args.resume)
+        else:
+            run_rollout(cfg, d)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
