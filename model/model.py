@@ -522,22 +522,23 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02):
-        """Random init for training from scratch (and for tests). Hash tables get k distinct experts per token."""
-        g = torch.Generator().manual_seed(seed)
+        """Random init for training from scratch (and for tests), drawn on the parameters' device (so the same
+        seed gives different weights on CPU and GPU). Hash tables get k distinct experts per token."""
+        dev = next(self.parameters()).device
+        g = torch.Generator(dev).manual_seed(seed)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
-                val = torch.zeros(p.shape)
+                p.zero_()
             elif leaf.endswith("_scale") or (leaf == "weight" and p.ndim == 1):
-                val = torch.ones(p.shape)
+                p.fill_(1.0)
             else:
-                val = torch.randn(p.shape, generator=g) * std
-            p.copy_(val.to(p.dtype))
+                p.normal_(0.0, std, generator=g)
         for layer in self.layers:
             gate = layer.ffn.gate
             if gate.hash:
                 V, k, E = gate.tid2eid.shape[0], gate.topk, gate.n_experts
-                gate.tid2eid.copy_(torch.rand(V, E, generator=g).argsort(-1)[:, :k])
+                gate.tid2eid.copy_(torch.rand(V, E, generator=g, device=dev).argsort(-1)[:, :k])
             else:
                 gate.bias.zero_()
         self.reset_buffers()

@@ -13,7 +13,7 @@ from model.config import ConfigError
 from train_grpo import RunConfig
 
 SMALL = ["train.prompts_per_step=4", "train.group_size=4", "train.minibatches=2", "task.eval_size=8",
-         "eval.every=2", "eval.pass_k=2", "ckpt.every=2", "plot=false"]
+         "eval.every=2", "eval.pass_k=2", "ckpt.every=2", "plot=false", "deploy.backend=gloo"]
 TIMING = ("time_", "_per_s", "sync_gb_s")
 
 
