@@ -1,23 +1,36 @@
-"""The rollout side: an FP8 DeepSeek-V4 generation engine, the serve loop that answers the trainer, and the
-trainer's client for it.
+"""The rollout side: the FP8 DeepSeek-V4 generation engine, the serve loop that answers the trainer, the trainer's
+client for it, and a command line.
 
-    Engine(model_or_path, fp8=True, dtype=torch.bfloat16, device=None)
+    Engine(model_or_path, fp8=True, dtype=torch.bfloat16, device=None, ...)
     engine.generate(prompts: list[list[int]], SamplingParams(...)) -> [Output(token_ids, logprobs, routed_experts)]
+    python rollout_server.py --model DIR --prompts FILE.jsonl --out FILE.jsonl [--bench]
 
-This is the simple engine: per-sequence caches for every layer (the sliding window's last tokens; for CSA/HCA
-the compressed entries, the compressor's partial window and, for CSA, the previous window's overlap series, and
-the indexer's own compressed keys and state), tokens of all sequences packed into one batch for every
-per-token operation, attention per sequence. FP8 weights are held as e4m3 with 128x128 block scales and
-dequantized for each matmul. It is the slow, readable twin of the paged engine.
+`Engine` is the paged engine: fixed-size per-sequence state (the sliding window's ring, each compressor's partial
+window and overlap series) lives in slot pools, the growing state (CSA / HCA compressed entries, indexer keys) in
+block pools with per-sequence block tables; the G samples of a GRPO group share their prompt's blocks (prefilled
+once, the last partial block copied on fork); a scheduler runs chunked prefill and batched decode steps,
+admitting and retiring sequences every step and preempting (by recompute) when the block pool runs out; decode
+steps replay CUDA graphs captured per batch bucket. `SimpleEngine` is its slow twin: the same math with
+per-sequence tensors and a Python loop over sequences for attention. Both share the sampler, the FP8 weight
+holders and the per-sequence prefill math.
 
-`routed_experts` has one row per token fed through the model (prompt + completion[:-1]): (n, layers, top_k) uint8.
-Log-probs are of the sampled tokens under the temperature-scaled distribution (before top-p / top-k).
+FP8: the release's dense linears and the routed experts are e4m3 (float8_e4m3fnuz on MI300-class GPUs) with
+128x128 block scales; activations are quantized per 1x128 tile; router, norms, mHC, sinks, embeddings, head and
+the compressor / indexer-key projections stay in the compute dtype.
+Outputs: `routed_experts` has one row per token fed through the model (prompt + completion[:-1]):
+(n, layers, top_k) uint8. Log-probs are of the sampled tokens under the temperature-scaled distribution (before
+top-p / top-k). Sampling noise is a hash of (request seed, sequence index, token index), so a request's samples do
+not depend on what else is in the batch, on preemption, or on which engine runs it.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
+import sys
+import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,6 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.attention import decode_attention, index_scores
+from kernels.fp8_gemm import fp8_linear
+from kernels.moe import fused_moe
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Experts, Linear, Transformer, apply_rope, attend, hc_post
 from model.weights import FP8_LINEAR, load_pretrained
@@ -37,7 +53,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     max_tokens: int = 16
-    seed: int | None = None       # per request; sequence i samples from a generator seeded by (seed, i)
+    seed: int | None = None       # per request: sequence i of a generate() call samples with (seed, i)
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -56,11 +72,61 @@ class Output:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# FP8 weights (dequantize-then-matmul)
+# sampling
+
+
+def seq_seed(seed, idx: int) -> int:
+    return ((0 if seed is None else int(seed)) * 1_000_003 + idx * 7919 + 17) % (2 ** 62)
+
+
+def _mix32(x):
+    x = x & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, V: int) -> torch.Tensor:
+    """(B,) seeds, (B,) token indices -> (B, V) fp32 Gumbel noise, a pure function of (seed, step, vocab id)."""
+    v = torch.arange(V, device=seeds.device, dtype=torch.int64)
+    h = _mix32(seeds[:, None] ^ _mix32(steps[:, None] * 0x27D4EB2D + 0x165667B1))
+    h = _mix32(h ^ _mix32(v[None] * 0x9E3779B1 + (seeds[:, None] >> 32)))
+    u = ((h >> 9).float() + 0.5) * 2.0 ** -23  # in (0, 1): 23 random bits, exactly representable
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]):
+    """logits (B, V) fp32 -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits / temperature."""
+    B, V = logits.shape
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    lp = scaled.log_softmax(-1)
+    masked = scaled
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        srt, order = masked.sort(-1, descending=True)
+        keep = torch.ones_like(srt, dtype=torch.bool)
+        ks = torch.tensor([k if k > 0 else V for k in top_k], device=dev)
+        keep &= torch.arange(V, device=dev)[None] < ks[:, None]
+        probs = srt.softmax(-1)
+        ps = torch.tensor(top_p, device=dev)
+        keep &= (probs.cumsum(-1) - probs) < ps[:, None]
+        masked = torch.full_like(masked, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
+    noise = gumbel_noise(torch.tensor(seeds, device=dev, dtype=torch.int64),
+                         torch.tensor(steps, device=dev, dtype=torch.int64), V)
+    tok = torch.where(greedy, logits.argmax(-1), (masked + noise).argmax(-1))
+    return tok, lp.gather(-1, tok[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8 (and BF16) weight holders for the engines
 
 
 class FP8Linear(nn.Module):
-    """e4m3 weight with 128x128 block scales; `.weight` dequantizes to the compute dtype."""
+    """e4m3 weight with 128x128 block scales; forward = act quant per 1x128 tile + block-scaled FP8 GEMM."""
 
     def __init__(self, w: torch.Tensor, fp8: torch.dtype, scale_fmt: str, dtype: torch.dtype):
         super().__init__()
@@ -74,7 +140,18 @@ class FP8Linear(nn.Module):
         return dequant_fp8_block(self.qweight, self.scale, self.dtype)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return fp8_linear(x, self.qweight, self.scale)
+
+    def grouped(self, x):
+        """x (..., G, K/G) -> (..., G, N/G): block-diagonal product with the G row groups of the weight."""
+        G = x.shape[-2]
+        rows = self.qweight.shape[0] // G
+        if rows % BLOCK or x.shape[-1] % BLOCK:
+            w = self.weight.view(G, rows, -1)
+            return torch.einsum("...gi,gri->...gr", x, w)
+        r = rows // BLOCK
+        return torch.stack([fp8_linear(x[..., g, :], self.qweight[g * rows:(g + 1) * rows], self.scale[g * r:(g + 1) * r])
+                            for g in range(G)], dim=-2)
 
     @torch.no_grad()
     def load_(self, w: torch.Tensor):
@@ -83,279 +160,799 @@ class FP8Linear(nn.Module):
         self.scale.copy_(s.float())
 
 
-class FP8Experts(Experts):
-    """Stacked experts in FP8: only the experts a batch routes to are dequantized."""
+class EngineExperts(nn.Module):
+    """Routed experts for inference: FP8 with block scales (fp8 given) or in the compute dtype, always through
+    the grouped kernel (`fused_moe`: only the experts a batch routes to are read)."""
 
-    def __init__(self, ex: Experts, fp8: torch.dtype, scale_fmt: str, dtype: torch.dtype):
-        nn.Module.__init__(self)
+    def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype):
+        super().__init__()
         self.n_local, self.expert_offset, self.limit = ex.n_local, ex.expert_offset, ex.limit
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
         for name in ("w1", "w2", "w3"):
-            q, s = quant_fp8_block(getattr(ex, name).data, fp8, BLOCK, scale_fmt)
-            self.register_buffer(f"{name}_q", q)
-            self.register_buffer(f"{name}_s", s.float())
+            w = getattr(ex, name).data
+            if fp8 is not None:
+                q, s = quant_fp8_block(w, fp8, BLOCK, scale_fmt)
+                self.register_buffer(name, q)
+                self.register_buffer("s" + name[1], s.float())
+            else:
+                self.register_buffer(name, w.to(dtype))
+                setattr(self, "s" + name[1], None)
 
-    def expert(self, e: int):
-        return tuple(dequant_fp8_block(getattr(self, f"{n}_q")[e], getattr(self, f"{n}_s")[e], self.dtype)
-                     for n in ("w1", "w2", "w3"))
+    def forward(self, x, idx, w):
+        return fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit)
 
     @torch.no_grad()
     def load_(self, name: str, w: torch.Tensor):
-        q, s = quant_fp8_block(w.to(self.w1_q.device), self.fp8, BLOCK, self.scale_fmt)
-        getattr(self, f"{name}_q").copy_(q)
-        getattr(self, f"{name}_s").copy_(s.float())
+        w = w.to(getattr(self, name).device)
+        if self.fp8 is None:
+            getattr(self, name).copy_(w)
+            return
+        q, s = quant_fp8_block(w, self.fp8, BLOCK, self.scale_fmt)
+        getattr(self, name).copy_(q)
+        getattr(self, "s" + name[1]).copy_(s.float())
 
 
-def quantize_fp8_(model: Transformer, fp8: torch.dtype, scale_fmt: str, dtype: torch.dtype) -> Transformer:
-    """Swap the release's FP8 linears and the routed experts for FP8 holders (router, norms, mHC, sinks,
-    embeddings, head and the compressor/indexer-key projections stay in `dtype`/fp32)."""
+def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str = "fp32",
+                            progress: bool = False) -> Transformer:
+    """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
+    routed experts behind the grouped kernel."""
+    if isinstance(model_or_path, (str, Path)):
+        model = load_pretrained(model_or_path, device, dtype, progress=progress)
+    else:
+        model = copy.deepcopy(model_or_path).to(device).set_dtype(dtype)
+        model.reset_buffers()
+    model.eval().requires_grad_(False)
+    q = fp8_dtype(device) if fp8 else None
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
-                setattr(parent, name, FP8Linear(child.weight.data, fp8, scale_fmt, dtype))
+            if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
+                setattr(parent, name, FP8Linear(child.weight.data, q, scale_fmt, dtype))
             elif type(child) is Experts:
-                setattr(parent, name, FP8Experts(child, fp8, scale_fmt, dtype))
+                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype))
     return model
 
 
+@torch.no_grad()
+def update_weights(model: Transformer, named_tensors):
+    """Load (name, tensor) pairs named like the training model's state_dict; FP8 holders re-quantize in place
+    (the tensors keep their storage, so captured CUDA graphs stay valid)."""
+    mods = dict(model.named_modules())
+    state = model.state_dict()
+    for name, t in named_tensors:
+        mod_name, _, leaf = name.rpartition(".")
+        mod = mods.get(mod_name)
+        if isinstance(mod, FP8Linear) and leaf == "weight":
+            mod.load_(t)
+        elif isinstance(mod, EngineExperts):
+            mod.load_(leaf, t)
+        elif name in state:
+            state[name].copy_(t.to(state[name].device))
+        else:
+            raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
+
+
 # ---------------------------------------------------------------------------------------------------------
-# per-sequence state
+# the math both engines share: the per-token layer stack, one sequence's attention over its state
 
 
 class CompState:
-    """A compressor's incremental state: partial window, previous window's overlap series, emitted entries."""
+    """A compressor's state for one sequence: partial window, previous window's overlap series, entries."""
 
-    def __init__(self, width: int, head_dim: int, device):
-        self.buf_kv = torch.zeros(0, width, device=device)
-        self.buf_gate = torch.zeros(0, width, device=device)
-        self.prev = None
-        self.entries = torch.zeros(0, head_dim, device=device)
+    def __init__(self, buf_kv, buf_gate, prev, entries):
+        self.buf_kv, self.buf_gate, self.prev, self.entries = buf_kv, buf_gate, prev, entries
+
+    @classmethod
+    def empty(cls, width: int, head_dim: int, device, entry_dtype=torch.float32):
+        z = torch.zeros(0, width, device=device)
+        return cls(z, z, None, torch.zeros(0, head_dim, device=device, dtype=entry_dtype))
 
 
-class Seq:
+class SeqState:
+    """One sequence's attention state in one layer: the window's last keys, and the compressors' states."""
+
+    def __init__(self, window, comp: CompState | None, index: CompState | None):
+        self.window, self.comp, self.index = window, comp, index
+
+
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention):
+    """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
+    tables) supplies the sequence-aware part. -> last hidden streams (1, N, n, D), routing (N, L, k) long."""
+    tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
+    x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
+    routing = []
+    for li, blk in enumerate(model.layers):
+        h, post, comb = blk.hc("attn", x)
+        x = hc_post(attention(li, blk.attn, blk.attn_norm(h), tables), x, post, comb)
+        h, post, comb = blk.hc("ffn", x)
+        y, idx = blk.ffn(blk.ffn_norm(h), ids[None])
+        x = hc_post(y, x, post, comb)
+        routing.append(idx[0])
+    return x, torch.stack(routing, 1)
+
+
+def head_logits(model: Transformer, x_last):
+    """Final streams (B, n, D) -> logits (B, V) fp32."""
+    return model.head(model.norm(model.hc_head(x_last))).float()
+
+
+def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
+    """Append projections (n, width) to a compressor's state; emit the entries of completed windows."""
+    kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+    r = comp.ratio
+    c = kv.shape[0] // r
+    entries, prev = st.entries, st.prev
+    if c:
+        wpos = (entries.shape[0] + torch.arange(c, device=kv.device)) * r
+        cos, sin = model.rope_compress(wpos)
+        p = None if prev is None else (prev[0][None], prev[1][None])
+        new, last = comp.pool(kv[: c * r].view(1, c, r, -1), gate[: c * r].view(1, c, r, -1), cos, sin, p)
+        entries = torch.cat([entries, new[0].to(entries.dtype)])
+        if last is not None:
+            prev = (last[0][0], last[1][0])
+    return CompState(kv[c * r:], gate[c * r:], prev, entries)
+
+
+def projections(attn, h, pos, tables):
+    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D)."""
+    cos, sin = tables[attn.rope_kind]
+    q, q_res = attn.project_q(h, cos, sin)
+    pr = {"q": q, "kv": attn.project_kv(h, cos, sin)[0]}
+    if attn.compressor is not None:
+        pr["ckv"], pr["cgate"] = attn.compressor.project(h, pos)
+    if attn.indexer is not None:
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"])
+        pr["ikv"], pr["igate"] = attn.indexer.compressor.project(h, pos)
+    return pr
+
+
+def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.Tensor, st: SeqState,
+                  chunk: int = 512):
+    """Attention of one sequence's tokens pr[...][a:b] (positions p) over its state, which it advances.
+    Queries go in chunks so a long prompt never materializes (tokens x keys) logits at once. -> (1, b - a, H, d)."""
+    W = attn.window
+    keys = torch.cat([st.window, pr["kv"][a:b]])
+    k0 = int(p[-1]) + 1 - keys.shape[0]  # position of keys[0]
+    st.window = keys[-(W - 1):] if W > 1 else keys[:0]
+    comp = None
+    if attn.compressor is not None:
+        st.comp = compress(model, attn.compressor, st.comp, pr["ckv"][0, a:b], pr["cgate"][0, a:b])
+        comp = st.comp.entries
+        if attn.indexer is not None:
+            st.index = compress(model, attn.indexer.compressor, st.index, pr["ikv"][0, a:b], pr["igate"][0, a:b])
+    outs = []
+    for s in range(0, b - a, chunk):
+        e = min(b - a, s + chunk)
+        qp = p[s:e]
+        lo = max(0, int(qp[0]) - W + 1 - k0)
+        kp = torch.arange(k0 + lo, k0 + e + keys.shape[0] - (b - a), device=p.device)
+        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
+        cmask = None
+        if comp is not None:
+            cmask = torch.arange(comp.shape[0], device=p.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None]
+            if attn.indexer is not None and comp.shape[0]:
+                sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
+                top = sc.masked_fill(~cmask, float("-inf")).topk(min(attn.indexer.topk, comp.shape[0]), dim=-1).indices
+                cmask = torch.zeros_like(cmask).scatter_(-1, top, True) & cmask
+        outs.append(attend(pr["q"][:, a + s:a + e], keys[None, lo:lo + kp.shape[0]], allowed[None],
+                           None if comp is None else comp[None], None if cmask is None else cmask[None],
+                           attn.attn_sink, attn.scale))
+    return torch.cat(outs, 1)
+
+
+def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: int | None) -> str | None:
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos or eos is None else {eos})
+    if tok in stops:
+        return "stop"
+    return "length" if n_tokens >= params.max_tokens else None
+
+
+def check_prompts(prompts, params, vocab: int):
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if max(p) >= vocab or min(p) < 0:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the simple engine (the slow twin)
+
+
+class SimpleSeq:
     def __init__(self, idx: int, prompt: list[int], params: SamplingParams, model: Transformer, device, dtype):
         self.idx, self.prompt, self.params = idx, list(prompt), params
+        self.seed = seq_seed(params.seed, idx)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.routing: list[torch.Tensor] = []
         self.pos = 0
         self.finish = None
-        self.gen = torch.Generator().manual_seed(_seq_seed(params.seed, idx)) if params.temperature > 0 else None
-        self.window, self.comp, self.index = [], [], []
+        self.states = []
         for layer in model.layers:
             a = layer.attn
-            self.window.append(torch.zeros(0, a.head_dim, device=device, dtype=dtype))
-            c = a.compressor
-            self.comp.append(CompState(c.wkv.weight.shape[0], c.head_dim, device) if c is not None else None)
-            i = a.indexer
-            self.index.append(CompState(i.compressor.wkv.weight.shape[0], i.head_dim, device) if i is not None else None)
+            c, i = a.compressor, a.indexer
+            self.states.append(SeqState(
+                torch.zeros(0, a.head_dim, device=device, dtype=dtype),
+                CompState.empty(c.wkv.weight.shape[0], c.head_dim, device) if c is not None else None,
+                CompState.empty(i.compressor.wkv.weight.shape[0], i.head_dim, device) if i is not None else None))
 
-
-    def share_prefix(self, other: "Seq"):
-        """Take over another sequence's state after the same prompt. Cache tensors are replaced, never written
-        in place, so sharing them is safe."""
+    def share_prefix(self, other: "SimpleSeq"):
+        """Take over another sequence's state after the same prompt (state tensors are replaced, never written
+        in place, so sharing them is safe)."""
         self.pos, self.routing = other.pos, list(other.routing)
-        self.window = list(other.window)
-        for mine, theirs in ((self.comp, other.comp), (self.index, other.index)):
-            for i, st in enumerate(theirs):
-                if st is not None:
-                    mine[i] = copy.copy(st)
+        self.states = [copy.copy(st) for st in other.states]
 
 
-def _seq_seed(seed, idx: int) -> int:
-    return ((0 if seed is None else int(seed)) * 1_000_003 + idx * 7919 + 17) % (2 ** 63)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the engine
-
-
-class Engine:
+class SimpleEngine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(model_or_path, (str, Path)):
-            model = load_pretrained(model_or_path, device, dtype, progress=progress)
-        else:
-            model = copy.deepcopy(model_or_path).to(device).set_dtype(dtype)
-            model.reset_buffers()
-        model.eval().requires_grad_(False)
-        self.fp8 = fp8_dtype(device) if fp8 else None
-        if fp8:
-            quantize_fp8_(model, self.fp8, fp8_scale_fmt, dtype)
-        self.model, self.cfg, self.device, self.dtype = model, model.cfg, device, dtype
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress)
+        self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
 
-    # -- weights ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def update_weights(self, named_tensors):
-        """Load (name, tensor) pairs named like the training model's state_dict; FP8 holders re-quantize."""
-        mods = dict(self.model.named_modules())
-        state = self.model.state_dict()
-        for name, t in named_tensors:
-            mod_name, _, leaf = name.rpartition(".")
-            mod = mods.get(mod_name)
-            if isinstance(mod, FP8Linear) and leaf == "weight":
-                mod.load_(t)
-            elif isinstance(mod, FP8Experts):
-                mod.load_(leaf, t)
-            elif name in state:
-                state[name].copy_(t.to(state[name].device))
-            else:
-                raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
+        update_weights(self.model, named_tensors)
 
-    # -- forward over packed chunks ---------------------------------------------------------------------
     @torch.no_grad()
-    def _forward(self, seqs: list[Seq], chunks: list[list[int]]) -> torch.Tensor:
-        """Feed chunks[i] (tokens at positions seqs[i].pos ...) for every sequence; update caches.
-        Returns the last-position logits of every chunk (len(seqs), vocab) fp32."""
+    def _forward(self, seqs: list[SimpleSeq], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed chunks[i] for every sequence (positions seqs[i].pos ...); -> last-position logits (len(seqs), V)."""
         m, dev = self.model, self.device
         ids = torch.tensor([t for c in chunks for t in c], device=dev)
         pos = torch.cat([torch.arange(s.pos, s.pos + len(c), device=dev) for s, c in zip(seqs, chunks)])
         bounds = [0]
         for c in chunks:
             bounds.append(bounds[-1] + len(c))
-        tables = {"main": m.rope_main(pos), "compress": m.rope_compress(pos)}
-        x = m.embed(ids)[None].unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()  # (1, N, n, D)
-        routing = []
-        for li, blk in enumerate(m.layers):
-            h, post, comb = blk.hc("attn", x)
-            x = hc_post(self._attention(li, blk.attn, blk.attn_norm(h), pos, tables, seqs, bounds), x, post, comb)
-            h, post, comb = blk.hc("ffn", x)
-            y, idx = blk.ffn(blk.ffn_norm(h), ids[None])
-            x = hc_post(y, x, post, comb)
-            routing.append(idx[0])
-        routing = torch.stack(routing, 1).to(torch.uint8).cpu()  # (N, L, k)
+
+        def attention(li, attn, h, tables):
+            pr = projections(attn, h, pos, tables)
+            outs = [seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], s.states[li])
+                    for i, s in enumerate(seqs)]
+            return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
+
+        x, routing = run_layers(m, ids, pos, attention)
+        routing = routing.to(torch.uint8).cpu()
         for i, s in enumerate(seqs):
             s.routing.append(routing[bounds[i]:bounds[i + 1]])
             s.pos += len(chunks[i])
-        last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
-        h = m.norm(m.hc_head(x[0, last]))
-        return m.head(h).float()
+        return head_logits(m, x[0, [b - 1 for b in bounds[1:]]])
 
-    def _compress(self, comp, st: CompState, kv, gate):
-        """Append projections (n, width) to a compressor's state; emit entries for completed windows."""
-        kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
-        r = comp.ratio
-        c = kv.shape[0] // r
-        if c:
-            wpos = (st.entries.shape[0] + torch.arange(c, device=kv.device)) * r
-            cos, sin = self.model.rope_compress(wpos)
-            prev = None if st.prev is None else (st.prev[0][None], st.prev[1][None])
-            new, last = comp.pool(kv[: c * r].view(1, c, r, -1), gate[: c * r].view(1, c, r, -1), cos, sin, prev)
-            st.entries = torch.cat([st.entries, new[0]])
-            if last is not None:
-                st.prev = (last[0][0], last[1][0])
-        st.buf_kv, st.buf_gate = kv[c * r:], gate[c * r:]
-        return st.entries
+    def _sample(self, seqs: list[SimpleSeq], logits):
+        tok, lp = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
+        for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
+            s.tokens.append(t)
+            s.logprobs.append(l)
+            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
 
-    def _attention(self, li, attn, h, pos, tables, seqs, bounds):
-        cos, sin = tables[attn.rope_kind]
-        q, q_res = attn.project_q(h, cos, sin)        # (1, N, H, d)
-        kv = attn.project_kv(h, cos, sin)[0]          # (N, d)
-        if attn.compressor is not None:
-            ckv, cgate = attn.compressor.project(h, pos)
-        if attn.indexer is not None:
-            iq, iw = attn.indexer.query(h, q_res, *tables["compress"])
-            ikv, igate = attn.indexer.compressor.project(h, pos)
-        W = attn.window
-        outs = []
-        for i, s in enumerate(seqs):
-            a, b = bounds[i], bounds[i + 1]
-            p = pos[a:b]
-            keys = torch.cat([s.window[li], kv[a:b]])
-            kpos = torch.arange(p[-1] + 1 - keys.shape[0], p[-1] + 1, device=p.device)
-            allowed = (kpos[None] <= p[:, None]) & (kpos[None] > p[:, None] - W)
-            s.window[li] = keys[-(W - 1):] if W > 1 else keys[:0]
-            comp = cmask = None
-            if attn.compressor is not None:
-                comp = self._compress(attn.compressor, s.comp[li], ckv[0, a:b], cgate[0, a:b])
-                causal = torch.arange(comp.shape[0], device=p.device)[None] < ((p + 1) // attn.compressor.ratio)[:, None]
-                cmask = causal
-                if attn.indexer is not None and comp.shape[0]:
-                    keys_i = self._compress(attn.indexer.compressor, s.index[li], ikv[0, a:b], igate[0, a:b])
-                    sc = attn.indexer.scores(iq[:, a:b], iw[:, a:b], keys_i[None])[0]
-                    sc = sc.masked_fill(~causal, float("-inf"))
-                    top = sc.topk(min(attn.indexer.topk, comp.shape[0]), dim=-1).indices
-                    cmask = torch.zeros_like(causal).scatter_(-1, top, True) & causal
-                elif attn.indexer is not None:
-                    self._compress(attn.indexer.compressor, s.index[li], ikv[0, a:b], igate[0, a:b])
-            outs.append(attend(q[:, a:b], keys[None], allowed[None], None if comp is None else comp[None],
-                               None if cmask is None else cmask[None], attn.attn_sink, attn.scale))
-        return attn.project_out(torch.cat(outs, 1), cos, sin)
-
-    # -- sampling ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _sample(logits: torch.Tensor, s: Seq) -> tuple[int, float]:
-        p = s.params
-        if p.temperature == 0:
-            tok = int(logits.argmax())
-            return tok, float(logits.log_softmax(-1)[tok])
-        lp = (logits / p.temperature).log_softmax(-1)
-        probs = lp.exp()
-        if p.top_k > 0 and p.top_k < probs.shape[-1]:
-            kth = probs.topk(p.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if p.top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            keep = (sp.cumsum(-1) - sp) < p.top_p * sp.sum()
-            probs = torch.zeros_like(probs).scatter_(-1, si[keep], sp[keep])
-        tok = int(torch.multinomial((probs / probs.sum()).cpu(), 1, generator=s.gen))
-        return tok, float(lp[tok])
-
-    def _append(self, s: Seq, tok: int, lp: float):
-        s.tokens.append(tok)
-        s.logprobs.append(lp)
-        p = s.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos or self.cfg.eos_token_id is None
-                                          else {self.cfg.eos_token_id})
-        if tok in stops:
-            s.finish = "stop"
-        elif len(s.tokens) >= p.max_tokens:
-            s.finish = "length"
-
-    # -- public -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if max(p) >= self.cfg.vocab_size or min(p) < 0:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
-        seqs = [Seq(i, p, params[i], self.model, self.device, self.dtype) for i, p in enumerate(prompts)]
-        # prefill once per distinct prompt (a GRPO group shares its prompt), in groups within the token budget
-        same: dict[tuple, list[Seq]] = {}
-        for s in seqs:
+        params = check_prompts(prompts, params, self.cfg.vocab_size)
+        seqs = [SimpleSeq(i, p, params[i], self.model, self.device, self.dtype) for i, p in enumerate(prompts)]
+        same: dict[tuple, list[SimpleSeq]] = {}
+        for s in seqs:  # a GRPO group shares its prompt: prefill once
             same.setdefault(tuple(s.prompt), []).append(s)
         leaders = [g[0] for g in same.values()]
         group, size = [], 0
         for s in leaders + [None]:
             if s is None or (group and size + len(s.prompt) > self.max_batch_tokens):
                 logits = self._forward(group, [g.prompt for g in group])
+                members, rows = [], []
                 for g, row in zip(group, logits):
                     for member in same[tuple(g.prompt)]:
                         if member is not g:
                             member.share_prefix(g)
-                        self._append(member, *self._sample(row, member))
+                        members.append(member)
+                        rows.append(row)
+                self._sample(members, torch.stack(rows))
                 group, size = [], 0
             if s is not None:
                 group.append(s)
                 size += len(s.prompt)
-        # decode
         active = [s for s in seqs if s.finish is None]
         while active:
             for start in range(0, len(active), self.max_batch_tokens):
                 batch = active[start:start + self.max_batch_tokens]
-                logits = self._forward(batch, [[s.tokens[-1]] for s in batch])
-                for s, row in zip(batch, logits):
-                    self._append(s, *self._sample(row, s))
+                self._sample(batch, self._forward(batch, [[s.tokens[-1]] for s in batch]))
             active = [s for s in seqs if s.finish is None]
         return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[: len(s.prompt) + len(s.tokens) - 1],
                        s.finish) for s in seqs]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the paged engine
+
+
+class Sequence:
+    """Host-side state of one request in the paged engine."""
+
+    def __init__(self, idx: int, prompt: list[int], params: SamplingParams):
+        self.idx, self.prompt, self.params = idx, list(prompt), params
+        self.seed = seq_seed(params.seed, idx)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.routing: list[torch.Tensor] = []
+        self.finish = None
+        self.slot = None
+        self.blocks = {"csa": [], "hca": []}
+        self.fed = 0                   # positions [0, fed) are in the cache
+        self.feed = self.prompt        # what prefill feeds; after preemption: prompt + tokens[:-1]
+        self.resume = False            # re-prefilling after preemption: do not sample at its end
+        self.followers: list[Sequence] = []
+        self.order = 0
+
+
+class BlockAllocator:
+    """Free list and reference counts of one block pool; block 0 is scratch and never handed out."""
+
+    def __init__(self, n: int):
+        self.free = deque(range(1, n))
+        self.ref = [0] * n
+
+    def alloc(self) -> int:
+        b = self.free.popleft()
+        self.ref[b] = 1
+        return b
+
+    def incref(self, b: int):
+        self.ref[b] += 1
+
+    def decref(self, b: int):
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+
+class PagedCache:
+    """Every layer's attention state for up to n_slots sequences.
+
+    slot pools (n_slots + 1 rows, the last is scratch for padded batch rows):
+        win[l] (W, d) ring of the sliding window; buf_kv/buf_gate[l] (ratio, width) the compressor's partial
+        window; prev_kv/prev_gate[l] (ratio, hd) the overlap series of the last completed window (CSA);
+        the same with prefix i for the indexer's compressor.
+    block pools (block 0 is scratch): entries[l] (n_blocks, BE, hd) compressed entries (CSA and HCA have their
+        own pools and block tables, since they fill at different rates); ikeys[l] the indexer's keys (fp32).
+    """
+
+    def __init__(self, model: Transformer, n_slots: int, n_blocks: dict, block_entries: int, max_len: int, device,
+                 dtype):
+        cfg = model.cfg
+        self.model, self.n_slots, self.BE, self.device = model, n_slots, block_entries, device
+        self.ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
+        self.max_blocks = {k: max(1, -(-(max_len // r) // block_entries)) for k, r in self.ratio.items()}
+        self.trash = n_slots
+        S = n_slots + 1
+        self.win, self.entries, self.ikeys = {}, {}, {}
+        self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate = {}, {}, {}, {}
+        self.ibuf_kv, self.ibuf_gate, self.iprev_kv, self.iprev_gate = {}, {}, {}, {}
+        self.kind = {}
+        for li, blk in enumerate(model.layers):
+            a = blk.attn
+            self.win[li] = torch.zeros(S, a.window, a.head_dim, device=device, dtype=dtype)
+            if a.compressor is None:
+                continue
+            c = a.compressor
+            kind = "csa" if a.indexer is not None else "hca"
+            self.kind[li] = kind
+            width = c.wkv.weight.shape[0]
+            self.buf_kv[li] = torch.zeros(S, c.ratio, width, device=device)
+            self.buf_gate[li] = torch.zeros(S, c.ratio, width, device=device)
+            if c.overlap:
+                self.prev_kv[li] = torch.zeros(S, c.ratio, c.head_dim, device=device)
+                self.prev_gate[li] = torch.zeros(S, c.ratio, c.head_dim, device=device)
+            self.entries[li] = torch.zeros(n_blocks[kind], block_entries, c.head_dim, device=device, dtype=dtype)
+            if a.indexer is not None:
+                ic = a.indexer.compressor
+                iw = ic.wkv.weight.shape[0]
+                self.ibuf_kv[li] = torch.zeros(S, ic.ratio, iw, device=device)
+                self.ibuf_gate[li] = torch.zeros(S, ic.ratio, iw, device=device)
+                self.iprev_kv[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
+                self.iprev_gate[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
+                self.ikeys[li] = torch.zeros(n_blocks[kind], block_entries, ic.head_dim, device=device)
+        self.alloc = {k: BlockAllocator(n) for k, n in n_blocks.items()}
+        self.free_slots = deque(range(n_slots))
+        # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
+        self.tables = {k: torch.zeros(S, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
+
+    # -- slots and blocks -------------------------------------------------------------------------------
+    def slot_tensors(self):
+        return [d[li] for d in (self.win, self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.ibuf_kv,
+                                self.ibuf_gate, self.iprev_kv, self.iprev_gate) for li in d]
+
+    def block_tensors(self, kind):
+        return [d[li] for d in (self.entries, self.ikeys) for li in d if self.kind[li] == kind]
+
+    def blocks_for(self, upto: int) -> dict:
+        """Blocks a sequence needs once positions [0, upto) are cached."""
+        return {k: -(-(upto // r) // self.BE) for k, r in self.ratio.items()}
+
+    def shortfall(self, seq: Sequence, upto: int) -> dict:
+        need = self.blocks_for(upto)
+        return {k: max(0, need[k] - len(seq.blocks[k])) for k in need}
+
+    def fits(self, need: dict) -> bool:
+        return all(len(self.alloc[k].free) >= n for k, n in need.items())
+
+    def _sync_table(self, seq: Sequence, kind: str):
+        row = self.tables[kind][seq.slot]
+        row.zero_()
+        if seq.blocks[kind]:
+            row[:len(seq.blocks[kind])] = torch.tensor(seq.blocks[kind], dtype=torch.int64)
+
+    def grow(self, seq: Sequence, upto: int):
+        for k, n in self.shortfall(seq, upto).items():
+            if n:
+                seq.blocks[k] += [self.alloc[k].alloc() for _ in range(n)]
+                self._sync_table(seq, k)
+
+    def release(self, seq: Sequence):
+        for k, bl in seq.blocks.items():
+            for b in bl:
+                self.alloc[k].decref(b)
+            seq.blocks[k] = []
+            if seq.slot is not None:
+                self._sync_table(seq, k)
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+    @torch.no_grad()
+    def fork(self, src: Sequence, dst: Sequence):
+        """dst continues from src's cached prefix: slot state copied, full blocks shared, the partial last block
+        copied (both will write into it)."""
+        for t in self.slot_tensors():
+            t[dst.slot] = t[src.slot]
+        for k, bl in src.blocks.items():
+            entries = src.fed // self.ratio[k]
+            full = entries // self.BE
+            for b in bl[:full]:
+                self.alloc[k].incref(b)
+            dst.blocks[k] = list(bl[:full])
+            for b in bl[full:]:
+                nb = self.alloc[k].alloc()
+                for t in self.block_tensors(k):
+                    t[nb] = t[b]
+                dst.blocks[k].append(nb)
+            self._sync_table(dst, k)
+
+    # -- one sequence's state, for the prefill path ---------------------------------------------------------
+    def _entries(self, pool, blocks, n):
+        idx = torch.arange(n, device=self.device)
+        bl = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        return pool[bl[idx // self.BE], idx % self.BE] if n else pool[0, :0]
+
+    def _comp_state(self, li, seq, a, prefix, pool):
+        bk, bg = getattr(self, prefix + "buf_kv")[li], getattr(self, prefix + "buf_gate")[li]
+        r = bk.shape[1]
+        pk = getattr(self, prefix + "prev_kv").get(li)
+        prev = None if pk is None or a // r == 0 else (pk[seq.slot], getattr(self, prefix + "prev_gate")[li][seq.slot])
+        return CompState(bk[seq.slot, :a % r], bg[seq.slot, :a % r], prev,
+                         self._entries(pool, seq.blocks[self.kind[li]], a // r))
+
+    def load(self, seq: Sequence, li: int, a: int) -> SeqState:
+        W = self.win[li].shape[1]
+        n = min(a, W - 1)
+        window = self.win[li][seq.slot, torch.arange(a - n, a, device=self.device) % W]
+        comp = index = None
+        if li in self.kind:
+            comp = self._comp_state(li, seq, a, "", self.entries[li])
+            if li in self.ikeys:
+                index = self._comp_state(li, seq, a, "i", self.ikeys[li])
+        return SeqState(window, comp, index)
+
+    def _store_comp(self, li, seq, st: CompState, a, b, prefix, pool):
+        bk, bg = getattr(self, prefix + "buf_kv")[li], getattr(self, prefix + "buf_gate")[li]
+        r = bk.shape[1]
+        bk[seq.slot, :b % r], bg[seq.slot, :b % r] = st.buf_kv, st.buf_gate
+        if st.prev is not None:
+            getattr(self, prefix + "prev_kv")[li][seq.slot] = st.prev[0]
+            getattr(self, prefix + "prev_gate")[li][seq.slot] = st.prev[1]
+        lo, hi = a // r, b // r
+        if hi > lo:
+            idx = torch.arange(lo, hi, device=self.device)
+            bl = torch.tensor(seq.blocks[self.kind[li]], dtype=torch.int64, device=self.device)
+            pool[bl[idx // self.BE], idx % self.BE] = st.entries[lo:hi].to(pool.dtype)
+
+    def store(self, seq: Sequence, li: int, st: SeqState, a: int, b: int):
+        W = self.win[li].shape[1]
+        n = st.window.shape[0]
+        self.win[li][seq.slot, torch.arange(b - n, b, device=self.device) % W] = st.window
+        if st.comp is not None:
+            self._store_comp(li, seq, st.comp, a, b, "", self.entries[li])
+        if st.index is not None:
+            self._store_comp(li, seq, st.index, a, b, "i", self.ikeys[li])
+
+
+class Runner:
+    """The model over the paged cache: eager prefill chunks, batched decode steps (CUDA graphs per bucket)."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+    def __init__(self, model: Transformer, cache: PagedCache, cuda_graphs: bool):
+        self.model, self.cache = model, cache
+        self.graphs = {}
+        self.use_graphs = cuda_graphs and cache.device.type == "cuda"
+        self.pool = None
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, batch: list[tuple[Sequence, int, int]]):
+        """batch: (seq, a, b) = feed seq.feed[a:b] at positions a..b-1. -> last-position logits, routing (N, L, k)."""
+        m, c, dev = self.model, self.cache, self.cache.device
+        ids = torch.tensor([t for s, a, b in batch for t in s.feed[a:b]], device=dev)
+        pos = torch.cat([torch.arange(a, b, device=dev) for _, a, b in batch])
+        bounds = [0]
+        for _, a, b in batch:
+            bounds.append(bounds[-1] + b - a)
+
+        def attention(li, attn, h, tables):
+            pr = projections(attn, h, pos, tables)
+            outs = []
+            for i, (s, a, b) in enumerate(batch):
+                st = c.load(s, li, a)
+                outs.append(seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st))
+                c.store(s, li, st, a, b)
+            return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
+
+        x, routing = run_layers(m, ids, pos, attention)
+        last = [b - 1 for b in bounds[1:]]
+        return head_logits(m, x[0, last]), routing.to(torch.uint8), bounds
+
+    # -- decode -----------------------------------------------------------------------------------------
+    def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool):
+        """Write each sequence's new projection row; pool the window for sequences that complete one."""
+        c, r = self.cache, comp.ratio
+        bk, bg = getattr(c, prefix + "buf_kv")[li], getattr(c, prefix + "buf_gate")[li]
+        bk[slots, pos % r] = kv
+        bg[slots, pos % r] = gate
+        done = (pos + 1) % r == 0
+        count = (pos + 1) // r
+        prev = None
+        if comp.overlap:
+            pk, pg = getattr(c, prefix + "prev_kv")[li][slots], getattr(c, prefix + "prev_gate")[li][slots]
+            has_prev = (count >= 2)[:, None, None]
+            prev = (pk, torch.where(has_prev, pg, torch.full_like(pg, float("-inf"))))
+        cos, sin = self.model.rope_compress((pos + 1 - r).clamp(min=0))
+        new, last = comp.pool(bk[slots][:, None], bg[slots][:, None], cos[:, None], sin[:, None], prev)
+        e = (count - 1).clamp(min=0)
+        blk = torch.where(done, table.gather(1, (e // c.BE)[:, None])[:, 0], torch.zeros_like(e))
+        pool[blk, torch.where(done, e % c.BE, torch.zeros_like(e))] = new[:, 0].to(pool.dtype)
+        if comp.overlap:
+            d = done[:, None, None]
+            getattr(c, prefix + "prev_kv")[li][slots] = torch.where(d, last[0], pk)
+            getattr(c, prefix + "prev_gate")[li][slots] = torch.where(d, last[1], pg)
+        return count
+
+    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs):
+        c = self.cache
+        pr = projections(attn, h, pos, tables)
+        W = attn.window
+        c.win[li][slots, pos % W] = pr["kv"].to(c.win[li].dtype)
+        q = pr["q"][0]
+        if attn.compressor is None:
+            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale)
+        else:
+            table = tabs[c.kind[li]]
+            count = self._compress_step(li, attn.compressor, "", pr["ckv"][0], pr["cgate"][0], pos, slots, table,
+                                        c.entries[li])
+            if attn.indexer is None:
+                out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
+                                       count=count)
+            else:
+                self._compress_step(li, attn.indexer.compressor, "i", pr["ikv"][0], pr["igate"][0], pos, slots, table,
+                                    c.ikeys[li])
+                S = table.shape[1] * c.BE
+                sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S)
+                top = sc.topk(min(attn.indexer.topk, S), dim=-1).indices
+                sel = torch.where(top < count[:, None], top, torch.full_like(top, -1))
+                out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
+                                       sel=sel)
+        return attn.project_out(out[None], *tables[attn.rope_kind])
+
+    def _decode_eager(self, ids, pos, slots):
+        tabs = {k: t[slots] for k, t in self.cache.tables.items()}
+
+        def attention(li, attn, h, tables):
+            return self._decode_attention(li, attn, h, tables, pos, slots, tabs)
+        x, routing = run_layers(self.model, ids, pos, attention)
+        return head_logits(self.model, x[0]), routing.to(torch.uint8)
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence]):
+        """Feed every sequence's last sampled token. -> logits (B, V) fp32, routing (B, L, k) uint8."""
+        c, dev = self.cache, self.cache.device
+        B = len(seqs)
+        ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
+        pos = torch.tensor([s.fed for s in seqs], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
+        if bucket is None:
+            return self._decode_eager(ids, pos, slots)
+        g = self.graphs.get(bucket) or self._capture(bucket)
+        g["ids"].zero_()
+        g["pos"].zero_()
+        g["slots"].fill_(c.trash)
+        g["ids"][:B], g["pos"][:B], g["slots"][:B] = ids, pos, slots
+        g["graph"].replay()
+        return g["logits"][:B], g["routing"][:B]
+
+    def _capture(self, bucket: int):
+        c, dev = self.cache, self.cache.device
+        g = {"ids": torch.zeros(bucket, dtype=torch.int64, device=dev),
+             "pos": torch.zeros(bucket, dtype=torch.int64, device=dev),
+             "slots": torch.full((bucket,), c.trash, dtype=torch.int64, device=dev)}
+        args = (g["ids"], g["pos"], g["slots"])
+        self._decode_eager(*args)  # compiles the Triton kernels and warms the allocator outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            g["logits"], g["routing"] = self._decode_eager(*args)
+        self.pool = graph.pool()
+        g["graph"] = graph
+        self.graphs[bucket] = g
+        return g
+
+
+class Engine:
+    """The paged FP8 engine (see the module docstring). Pools are sized from the memory left after the weights
+    (mem_fraction of it) unless num_blocks is given; max_model_len bounds prompt + completion."""
+
+    def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
+                 fp8_scale_fmt: str = "fp32", max_seqs: int = 256, max_model_len: int = 4096,
+                 block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
+                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress)
+        self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
+        self.max_seqs, self.max_model_len, self.max_batch_tokens = max_seqs, max_model_len, max_batch_tokens
+        n_blocks = self._size_pools(num_blocks, block_entries, mem_fraction)
+        self.cache = PagedCache(self.model, max_seqs, n_blocks, block_entries, max_model_len, device, dtype)
+        self.runner = Runner(self.model, self.cache, cuda_graphs)
+        self.stats = {"preemptions": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "prefill_s": 0.0,
+                      "decode_s": 0.0}
+
+    def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
+        cfg = self.cfg
+        full = {k: self.max_seqs * max(1, -(-(self.max_model_len // r) // BE)) + 1
+                for k, r in (("csa", cfg.csa_ratio), ("hca", cfg.hca_ratio))}
+        if num_blocks is not None:
+            return dict(num_blocks) if isinstance(num_blocks, dict) else {k: int(num_blocks) for k in full}
+        if self.device.type != "cuda":
+            return full
+        esize = torch.empty(0, dtype=self.dtype).element_size()
+        layers = [blk.attn for blk in self.model.layers]
+        per_block = {"csa": sum(BE * (a.head_dim * esize + a.indexer.head_dim * 4) for a in layers if a.indexer is not None),
+                     "hca": sum(BE * a.head_dim * esize for a in layers if a.compressor is not None and a.indexer is None)}
+        slot_bytes = (self.max_seqs + 1) * sum(a.window * a.head_dim * esize + (0 if a.compressor is None else
+                                               4 * a.compressor.ratio * a.compressor.wkv.weight.shape[0] * 3)
+                                               for a in layers)
+        budget = mem_fraction * torch.cuda.mem_get_info(self.device)[0] - slot_bytes
+        scale = min(1.0, max(budget, 0) / max(sum(per_block[k] * full[k] for k in full), 1))
+        return {k: max(2, int(full[k] * scale)) for k in full}
+
+    def update_weights(self, named_tensors):
+        update_weights(self.model, named_tensors)
+
+    # -- scheduling -------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+        params = check_prompts(prompts, params, self.cfg.vocab_size)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if len(p) + sp.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "
+                                 f"max_model_len {self.max_model_len}")
+        seqs = [Sequence(i, p, params[i]) for i, p in enumerate(prompts)]
+        leaders: dict[tuple, Sequence] = {}
+        for s in seqs:  # a GRPO group shares its prompt: one prefill, blocks shared
+            lead = leaders.setdefault(tuple(s.prompt), s)
+            if lead is not s:
+                lead.followers.append(s)
+        waiting = deque(leaders.values())
+        prefilling: list[Sequence] = []
+        running: list[Sequence] = []
+        order = 0
+        c = self.cache
+        while waiting or prefilling or running:
+            while waiting:  # admit whole groups while slots and blocks last
+                s = waiting[0]
+                group = [s] + s.followers
+                need = c.shortfall(s, len(s.feed) + 1)
+                need = {k: n + len(s.followers) for k, n in need.items()}
+                if len(c.free_slots) < len(group) or not c.fits(need):
+                    break
+                waiting.popleft()
+                for g in group:
+                    g.slot = c.free_slots.popleft()
+                    g.order = order = order + 1
+                c.grow(s, len(s.feed))
+                prefilling.append(s)
+            if not (prefilling or running):
+                raise RuntimeError("the cache cannot hold a single sequence: raise num_blocks or mem_fraction")
+            t0 = time.perf_counter()
+            if prefilling:  # every step ends in a host read of its samples, so the wall time is the step's
+                self._prefill_step(prefilling, running)
+                self.stats["prefill_s"] += time.perf_counter() - t0
+            else:
+                self.stats["decode_tokens"] += len(running)
+                self._decode_step(running, waiting)
+                self.stats["decode_s"] += time.perf_counter() - t0
+        return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[: len(s.prompt) + len(s.tokens) - 1],
+                       s.finish) for s in seqs]
+
+    def _prefill_step(self, prefilling: list[Sequence], running: list[Sequence]):
+        budget, batch = self.max_batch_tokens, []
+        for s in prefilling:
+            n = min(len(s.feed) - s.fed, budget)
+            if n <= 0:
+                break
+            batch.append((s, s.fed, s.fed + n))
+            budget -= n
+        logits, routing, bounds = self.runner.prefill(batch)
+        routing = routing.cpu()
+        self.stats["prefill_tokens"] += bounds[-1]
+        done, rows = [], []
+        for i, (s, a, b) in enumerate(batch):
+            s.fed = b
+            if not s.resume:
+                s.routing.append(routing[bounds[i]:bounds[i + 1]])
+            if s.fed == len(s.feed):
+                prefilling.remove(s)
+                if s.resume:
+                    s.resume = False
+                    running.append(s)
+                    continue
+                for f in s.followers:
+                    self.cache.fork(s, f)
+                    f.fed, f.routing = s.fed, list(s.routing)
+                members = [s] + s.followers
+                s.followers = []
+                done += members
+                rows += [logits[i]] * len(members)
+        if done:
+            self._sample(done, torch.stack(rows), running)
+
+    def _decode_step(self, running: list[Sequence], waiting: deque):
+        c = self.cache
+        while True:  # blocks for the entries this step completes; preempt the newest sequences if short
+            need = {k: 0 for k in c.ratio}
+            for s in running:
+                for k, n in c.shortfall(s, s.fed + 1).items():
+                    need[k] += n
+            if c.fits(need):
+                break
+            victim = max(running, key=lambda s: s.order)
+            if len(running) == 1:
+                raise RuntimeError("the block pool cannot hold one sequence: raise num_blocks or mem_fraction")
+            running.remove(victim)
+            c.release(victim)
+            victim.feed, victim.fed, victim.resume = victim.prompt + victim.tokens[:-1], 0, True
+            waiting.appendleft(victim)
+            self.stats["preemptions"] += 1
+        for s in running:
+            c.grow(s, s.fed + 1)
+        logits, routing = self.runner.decode(running)
+        routing = routing.cpu()
+        self.stats["decode_steps"] += 1
+        for i, s in enumerate(running):
+            s.routing.append(routing[i:i + 1])
+            s.fed += 1
+        self._sample(list(running), logits, running)
+
+    def _sample(self, seqs: list[Sequence], logits, running: list[Sequence]):
+        tok, lp = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
+        for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
+            s.tokens.append(t)
+            s.logprobs.append(l)
+            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
+            if s.finish is not None:
+                if s in running:
+                    running.remove(s)
+                self.cache.release(s)
+            elif s not in running:
+                running.append(s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,7 +1026,7 @@ def _pack_outputs(outs: list[Output]) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def serve(engine: Engine, driver: int, sync_group, device):
+def serve(engine, driver: int, sync_group, device):
     """Answer the driver (actor rank 0) until it says stop: generate, or receive new weights."""
     while True:
         meta, t = recv_msg(driver, device)
@@ -513,3 +1110,108 @@ class RolloutClient:
     def stop(self):
         for r in self.ranks:
             send_msg({"cmd": "stop"}, {}, r, self.device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# command line
+
+
+def read_prompts(path: Path, tokenizer) -> list[list[int]]:
+    """JSONL: a list of token ids, or {"prompt_token_ids": [...]}, or {"prompt": "text"} (needs --tokenizer)."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{n}: not JSON ({e})")
+        if isinstance(d, dict) and "prompt_token_ids" in d:
+            d = d["prompt_token_ids"]
+        elif isinstance(d, dict) and "prompt" in d:
+            if tokenizer is None:
+                raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
+            d = tokenizer.apply_chat(d["prompt"])
+        if not isinstance(d, list) or not d or not all(isinstance(t, int) for t in d):
+            raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
+        out.append(d)
+    if not out:
+        raise SystemExit(f"{path}: no prompts")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput.")
+    ap.add_argument("--model", required=True, help="checkpoint directory, or a YAML config (random weights)")
+    ap.add_argument("--prompts", type=Path, help="JSONL prompts")
+    ap.add_argument("--out", type=Path, help="JSONL outputs")
+    ap.add_argument("--tokenizer", help="tokenizer.json (for text prompts and decoded outputs)")
+    ap.add_argument("--chat-template", default="{prompt}")
+    ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
+    ap.add_argument("--engine", choices=["paged", "simple"], default="paged")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
+    ap.add_argument("--bench", action="store_true", help="random prompts: print throughput")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--no-graphs", action="store_true")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model.endswith((".yaml", ".yml")):
+        from model import ModelConfig, build_model
+        from model.config import load_yaml
+        model = build_model(ModelConfig.from_dict(load_yaml(args.model)["model"], f"{args.model}: model"), device,
+                            dtype, seed=args.seed)
+    else:
+        model = args.model
+    kw = dict(fp8=not args.bf16, dtype=dtype, device=device)
+    if args.engine == "paged":
+        kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
+    engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
+    tok = None
+    if args.tokenizer:
+        from model.tokenizer import HFTokenizer
+        tok = HFTokenizer(args.tokenizer, args.chat_template)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                        seed=args.seed, ignore_eos=args.bench)
+    if args.bench:
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(0, engine.cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up kernels
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sp)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        gen = sum(len(o.token_ids) for o in outs)
+        print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {device}: {dt:.2f} s, "
+              f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
+        return
+    if args.prompts is None or args.out is None:
+        raise SystemExit("--prompts and --out are required (or --bench)")
+    prompts = [p for p in read_prompts(args.prompts, tok) for _ in range(args.n)]
+    with open(args.out, "w") as f:
+        for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
+            part = prompts[start:start + args.chunk]
+            for i, o in enumerate(engine.generate(part, sp)):
+                rec = {"index": start + i, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
+                       "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                if tok is not None:
+                    rec["text"] = tok.decode(o.token_ids)
+                f.write(json.dumps(rec) + "\n")
+    print(f"wrote {len(prompts)} completions to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

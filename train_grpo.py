@@ -55,7 +55,7 @@ from model import ModelConfig, build_model, load_pretrained, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
-from rollout_server import Engine, RolloutClient, SamplingParams, recv_msg, send_msg, serve
+from rollout_server import Engine, RolloutClient, SamplingParams, SimpleEngine, serve
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -143,8 +143,13 @@ class TrainConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: str = "paged"             # paged | simple (the slow twin)
     fp8: bool = True
     dtype: str = "bf16"               # compute dtype of the engine
+    max_seqs: int = 256               # sequences decoded together (paged engine)
+    max_model_len: int = 4096         # prompt + completion tokens a sequence may reach
+    mem_fraction: float = 0.85        # of the GPU memory left after the weights, for the cache pools
+    cuda_graphs: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -154,6 +159,11 @@ class RolloutConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.engine not in ("paged", "simple"):
+            raise ConfigError(f"engine: must be paged or simple, got {self.engine!r}")
+        if self.max_tokens >= self.max_model_len:
+            raise ConfigError(f"max_tokens: {self.max_tokens} leaves no room for a prompt in max_model_len "
+                              f"{self.max_model_len}")
         if self.temperature <= 0 or self.max_tokens < 1 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature/max_tokens/top_p: out of range")
 
@@ -801,9 +811,17 @@ def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task, resume: str):
             save_checkpoint(actor, step, task, out, cfg)
 
 
+def make_engine(cfg: RunConfig, model, device):
+    r = cfg.rollout
+    if r.engine == "simple":
+        return SimpleEngine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device)
+    return Engine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device, max_seqs=r.max_seqs,
+                  max_model_len=r.max_model_len, mem_fraction=r.mem_fraction, cuda_graphs=r.cuda_graphs)
+
+
 def run_rollout(cfg: RunConfig, d: Dist):
-    model = build_model(cfg.model, d.device, DTYPES[cfg.rollout.dtype], seed=None)
-    engine = Engine(model, fp8=cfg.rollout.fp8, dtype=DTYPES[cfg.rollout.dtype], device=d.device)
+    model = build_model(cfg.model, d.device, DTYPES[cfg.rollout.dtype], seed=None)  # weights arrive by broadcast
+    engine = make_engine(cfg, model, d.device)
     del model
     serve(engine, 0, d.sync_group, d.device)
 

@@ -285,6 +285,8 @@ class Attention(nn.Module):
         B, T = o.shape[:2]
         o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         g = o.reshape(B, T, self.o_groups, -1)
+        if hasattr(self.wo_a, "grouped"):  # the rollout engine's FP8 holder: one FP8 GEMM per group
+            return self.wo_b(self.wo_a.grouped(g).flatten(2))
         wa = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])  # (G, R, H*d/G)
         return self.wo_b(torch.einsum("btgi,gri->btgr", g, wa).flatten(2))
 

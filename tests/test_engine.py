@@ -1,10 +1,11 @@
-"""The simple rollout engine against the model's full-sequence forward, sampling controls, FP8 holders, updates."""
+"""The simple rollout engine (the paged engine's slow twin) against the model's full-sequence forward, sampling
+controls, FP8 holders, weight updates."""
 import pytest
 import torch
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
-from rollout_server import Engine, FP8Experts, FP8Linear, SamplingParams
+from rollout_server import EngineExperts, FP8Linear, SamplingParams, SimpleEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -28,7 +29,7 @@ def _prompts(lengths, vocab=32, seed=0):
 def test_greedy_matches_full_forward(model):
     """Mixed prompt lengths, 40 new tokens: the CSA (ratio 4) and HCA (ratio 16) layers and the 16-token window
     all roll over many times inside incremental decoding."""
-    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_batch_tokens=40)
+    eng = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu", max_batch_tokens=40)
     prompts = _prompts([1, 5, 17, 33, 50])
     outs = eng.generate(prompts, GREEDY)
     for o in outs:
@@ -46,7 +47,7 @@ def test_greedy_matches_full_forward(model):
 
 
 def test_shared_prefixes_and_stops(model):
-    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu")
+    eng = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")
     p = _prompts([9], seed=1)[0]
     alone = eng.generate([p], GREEDY)[0]
     batch = eng.generate([p, _prompts([4], seed=2)[0], p, p], GREEDY)
@@ -59,7 +60,7 @@ def test_shared_prefixes_and_stops(model):
 
 
 def test_sampling_seeds_top_k_top_p(model):
-    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu")
+    eng = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")
     prompts = _prompts([6, 6, 11], seed=3)
     sp = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
     a, b = eng.generate(prompts, sp), eng.generate(prompts, sp)
@@ -81,15 +82,16 @@ def test_sampling_seeds_top_k_top_p(model):
 
 
 def test_fp8_holders_and_weight_updates(model):
-    eng = Engine(model, fp8=True, dtype=torch.float32, device="cpu")
+    eng = SimpleEngine(model, fp8=True, dtype=torch.float32, device="cpu")
     attn = eng.model.layers[1].attn
     assert isinstance(attn.wq_a, FP8Linear) and attn.wq_a.qweight.dtype == torch.float8_e4m3fn
-    assert isinstance(eng.model.layers[0].ffn.experts, FP8Experts)
+    assert isinstance(eng.model.layers[0].ffn.experts, EngineExperts)
+    assert eng.model.layers[0].ffn.experts.w1.dtype == torch.float8_e4m3fn
     assert not isinstance(attn.compressor.wkv, FP8Linear) and not isinstance(attn.indexer.weights_proj, FP8Linear)
     # new weights arrive by name and are re-quantized in place: same as an engine built from the new model
     new = build_model(model.cfg, seed=5)
     eng.update_weights(new.state_dict().items())
-    fresh = Engine(new, fp8=True, dtype=torch.float32, device="cpu")
+    fresh = SimpleEngine(new, fp8=True, dtype=torch.float32, device="cpu")
     for (k, a), (k2, b) in zip(eng.model.state_dict().items(), fresh.model.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
     with pytest.raises(KeyError, match="not a tensor"):

@@ -1,0 +1,186 @@
+"""Rollout engine throughput on one GPU, against the memory-bandwidth roofline and two peers, in one run.
+
+    python bench/rollout.py --config configs/mini.yaml --batches 1,16,64,256 --prompt-len 512 --gen-len 1024
+
+Per batch size: decode tokens/s of the FP8 paged engine (CUDA graphs) and of our BF16 path (same engine,
+weights in BF16); the decode step's bytes -- the FP8 weights of the dense layers and of the experts the step
+actually routes to, BF16 head and router, plus the cache a step must read (window, indexer keys, selected CSA
+entries, HCA entries) -- over its time is the achieved bandwidth, reported as a fraction of the device-to-device
+copy bandwidth measured here. `transformers` DeepseekV4ForCausalLM.generate (BF16, same weights) gives the
+peer decode rate at --hf-batch. Long context: decode tokens/s at batch --long-batch with 1k vs 16k tokens of
+prompt. Random weights (init std 0.02) and random prompts; generation ignores EOS so lengths are fixed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import ModelConfig, build_model, save_pretrained  # noqa: E402
+from model.config import load_yaml  # noqa: E402
+from rollout_server import Engine, EngineExperts, SamplingParams  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 2 ** 31, iters: int = 10) -> float:
+    """Device-to-device copy: (read + write) bytes per second."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(2):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def weight_bytes(engine: Engine) -> tuple[int, dict]:
+    """Bytes of everything a decode step reads from the weights except the embedding table and the routed
+    experts (counted per step), and each layer's bytes per routed expert."""
+    dense, per_expert = 0, {}
+    for name, mod in engine.model.named_modules():
+        if isinstance(mod, EngineExperts):
+            layer = int(name.split(".")[1])
+            per_expert[layer] = sum(t[0].numel() * t.element_size() for t in (mod.w1, mod.w2, mod.w3)) + \
+                sum(t[0].numel() * 4 for t in (mod.s1, mod.s2, mod.s3) if t is not None)
+    for name, t in list(engine.model.named_parameters()) + list(engine.model.named_buffers()):
+        if ".experts." in name or name.startswith("embed.") or "inv_freq" in name:
+            continue
+        dense += t.numel() * t.element_size()
+    return dense, per_expert
+
+
+def cache_bytes(cfg: ModelConfig, ctx: int, esize: int) -> int:
+    """Cache one sequence's decode step must read at context length ctx."""
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        total += min(ctx, cfg.sliding_window) * cfg.head_dim * esize
+        t = cfg.layer_type(i)
+        if t == "compressed_sparse_attention":
+            n = ctx // cfg.csa_ratio
+            total += n * cfg.index_head_dim * 4 + min(n, cfg.index_topk) * cfg.head_dim * esize
+        elif t == "heavily_compressed_attention":
+            total += (ctx // cfg.hca_ratio) * cfg.head_dim * esize
+    return total
+
+
+def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
+    cfg = engine.cfg
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
+    warm = torch.randint(0, cfg.vocab_size, (B, 8), generator=g).tolist()
+    engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))  # captures this batch's CUDA graph
+    for k in engine.stats:
+        engine.stats[k] = 0 * engine.stats[k]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=gen_len, seed=seed, ignore_eos=True))
+    total = time.perf_counter() - t0
+    st = engine.stats
+    dense, per_expert = weight_bytes(engine)
+    esize = torch.empty(0, dtype=engine.dtype).element_size()
+    routing = torch.stack([o.routed_experts for o in outs])  # (B, P + gen - 1, L, k)
+    step_bytes = 0
+    for t in range(1, gen_len):  # decode step t feeds the token at position prompt_len + t - 1
+        rows = routing[:, prompt_len + t - 1]  # (B, L, k)
+        hit = sum(per_expert.get(layer, 0) * rows[:, layer].unique().numel() for layer in range(rows.shape[1]))
+        step_bytes += dense + hit + B * cfg.hidden_size * esize + B * cache_bytes(cfg, prompt_len + t, esize)
+    return {"batch": B, "prompt_len": prompt_len, "gen_len": gen_len, "total_s": total,
+            "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "decode_steps": st["decode_steps"],
+            "decode_tokens_per_s": st["decode_tokens"] / st["decode_s"],
+            "generated_tokens_per_s": B * gen_len / total, "step_ms": 1e3 * st["decode_s"] / max(st["decode_steps"], 1),
+            "decode_gb_s": step_bytes / st["decode_s"] / 1e9, "bytes_per_step_mb": step_bytes / max(gen_len - 1, 1) / 1e6}
+
+
+def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
+    """transformers generate in BF16 on the same weights: decode tokens/s from two runs (1 and N new tokens)."""
+    from transformers import DeepseekV4ForCausalLM
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        hf = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (B, prompt_len), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    timed(2)
+    t1, tn = timed(1), timed(new_tokens)
+    del hf
+    return {"batch": B, "prompt_len": prompt_len, "new_tokens": new_tokens, "t_1_s": t1, "t_n_s": tn,
+            "decode_tokens_per_s": B * (new_tokens - 1) / (tn - t1)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/mini.yaml")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=1024)
+    ap.add_argument("--bf16-batches", default="1,16,64,256")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--hf-tokens", type=int, default=16)
+    ap.add_argument("--long-batch", type=int, default=16)
+    ap.add_argument("--long-ctx", default="1024,16384")
+    ap.add_argument("--long-gen", type=int, default=128)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
+    res = {"device": torch.cuda.get_device_name(), "config": args.config, "torch": torch.__version__,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    res["copy_gb_s"] = copy_bandwidth() / 1e9
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    max_len = args.prompt_len + args.gen_len + 1
+    for name, fp8, bs in (("fp8", True, batches), ("bf16", False, [int(b) for b in args.bf16_batches.split(",") if b])):
+        if not bs:
+            continue
+        eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=max(bs), max_model_len=max_len)
+        res[name] = []
+        for B in bs:
+            r = run(eng, B, args.prompt_len, args.gen_len)
+            r["roofline_fraction"] = r["decode_gb_s"] / res["copy_gb_s"]
+            res[name].append(r)
+            print(f"{name} batch {B}: {r['decode_tokens_per_s']:.0f} decode tok/s, step {r['step_ms']:.2f} ms, "
+                  f"{r['decode_gb_s']:.0f} GB/s = {100 * r['roofline_fraction']:.0f}% of copy {res['copy_gb_s']:.0f} GB/s",
+                  flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.long_ctx and args.long_batch:
+        ctxs = [int(c) for c in args.long_ctx.split(",")]
+        eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,
+                     max_model_len=max(ctxs) + args.long_gen + 1)
+        res["long"] = []
+        for c in ctxs:
+            r = run(eng, args.long_batch, c, args.long_gen)
+            res["long"].append(r)
+            print(f"long context {c}: batch {args.long_batch} {r['decode_tokens_per_s']:.0f} decode tok/s "
+                  f"(prefill {r['prefill_s']:.1f} s)", flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.hf_batch:
+        res["hf"] = hf_decode_rate(model, args.hf_batch, args.prompt_len, args.hf_tokens)
+        print(f"transformers generate bf16 batch {args.hf_batch}: {res['hf']['decode_tokens_per_s']:.1f} decode tok/s",
+              flush=True)
+    print(json.dumps(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

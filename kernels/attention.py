@@ -1,0 +1,181 @@
+"""Decode-path attention for DeepSeek-V4 over paged state: one query token per sequence.
+
+    out = decode_attention(q, win, slots, pos, sink, scale, pool, table, sel=..., count=...)
+        q (B, H, d); win (n_slots, W, d) ring buffers of the sliding window (position p at p % W);
+        compressed entries in `pool` (n_blocks, BE, d), located through `table` (B, max_blocks):
+        sel (B, K) entry ids picked by the indexer (-1 = none; CSA) or count (B,) = attend to entries [0, count)
+        (HCA); sink (H,) per-head logit added to the softmax denominator. MQA: one K == V head for all H.
+    scores = index_scores(qi, wi, pool, table, count, S)
+        the Lightning Indexer: sum_h wi[b, h] * relu(qi[b, h] . k[b, s]) * d^-0.5 for s < count[b], -inf after.
+
+Triton on GPU (online softmax over key tiles, all heads of a sequence in one program), torch references
+(gathers) on CPU; the two compute the same function.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_gemm import triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def _entry_rows(pool, table, idx):
+    """idx (B, K) entry ids (clamped >= 0) -> rows (B, K, d) from the paged pool."""
+    BE = pool.shape[1]
+    blk = table.gather(1, idx // BE)
+    return pool[blk, idx % BE]
+
+
+def window_positions(pos, W: int):
+    """(B,) query positions -> (B, W) position held in each ring slot (negative = not yet written)."""
+    j = torch.arange(W, device=pos.device)
+    return pos[:, None] - torch.remainder(pos[:, None] - j, W)
+
+
+def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None):
+    B, H, d = q.shape
+    keys = win[slots]
+    valid = window_positions(pos, win.shape[1]) >= 0
+    if pool is not None:
+        if sel is not None:
+            idx, ok = sel.clamp(min=0), sel >= 0
+        else:
+            cap = table.shape[1] * pool.shape[1]
+            idx = torch.arange(cap, device=q.device).expand(B, cap)
+            ok = idx < count[:, None]
+        keys = torch.cat([keys, _entry_rows(pool, table, idx).to(keys.dtype)], 1)
+        valid = torch.cat([valid, ok], 1)
+    logits = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~valid[:, None], float("-inf"))
+    logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], -1)
+    p = logits.softmax(-1)[..., :-1]
+    return torch.einsum("bhk,bkd->bhd", p, keys.float()).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _online(q, k, valid, m, l, acc, scale):
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        return m_new, l, acc
+
+    @triton.jit
+    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, OUT, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
+                            W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr, CAP: tl.constexpr,
+                            MODE: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        b, hb = tl.program_id(0), tl.program_id(1)
+        rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mh = rh < H
+        rd = tl.arange(0, D)
+        q = tl.load(Q + (b * H + rh[:, None]) * D + rd[None, :], mask=mh[:, None], other=0.0)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        p = tl.load(POS + b)
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+        for j0 in range(0, W, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            kp = p - ((p - j) % W + W) % W
+            valid = (j < W) & (kp >= 0)
+            k = tl.load(WIN + (slot * W + j[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+            m, l, acc = _online(q, k, valid, m, l, acc, scale)
+        if MODE == 1:  # indexer-selected entries
+            for t0 in range(0, KSEL, BLOCK_K):
+                t = t0 + tl.arange(0, BLOCK_K)
+                idx = tl.load(SEL + b * KSEL + t, mask=t < KSEL, other=-1)
+                valid = idx >= 0
+                idx = tl.maximum(idx, 0)
+                blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
+                k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
+        if MODE == 2:  # every entry written so far
+            n = tl.load(COUNT + b)
+            # the loop bound is data-dependent on GPU; the CPU interpreter needs a static one
+            for t0 in range(0, n if DYNAMIC else CAP, BLOCK_K):
+                idx = t0 + tl.arange(0, BLOCK_K)
+                valid = idx < n
+                blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
+                k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
+        sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.exp(sink - m_new)
+        out = acc * alpha[:, None] / l[:, None]
+        tl.store(OUT + (b * H + rh[:, None]) * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=mh[:, None])
+
+
+def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None):
+    B, H, d = q.shape
+    if not use_triton(q) or d < 16 or d & (d - 1):
+        return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count)
+    out = torch.empty_like(q)
+    mode = 0 if pool is None else (1 if sel is not None else 2)
+    dummy = slots
+    bh = 16
+    _decode_attn_kernel[(B, triton.cdiv(H, bh))](
+        q.contiguous(), win, slots, pos, sink, out,
+        pool if pool is not None else win, table if table is not None else dummy,
+        sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
+        scale, H, table.shape[1] if table is not None else 0,
+        W=win.shape[1], D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=sel.shape[1] if sel is not None else 0,
+        CAP=table.shape[1] * pool.shape[1] if pool is not None else 0, MODE=mode, DYNAMIC=q.is_cuda,
+        BLOCK_H=bh, BLOCK_K=32, num_warps=8 if d >= 256 else 4, num_stages=2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the Lightning Indexer's scores over paged keys
+
+
+def index_scores_ref(qi, wi, pool, table, count, S: int):
+    """qi (B, h, d), wi (B, h) -> (B, S) fp32: scores of entries [0, S), -inf at and beyond count."""
+    B = qi.shape[0]
+    idx = torch.arange(S, device=qi.device).expand(B, S)
+    keys = _entry_rows(pool, table, idx).float()
+    s = torch.einsum("bhd,bsd->bhs", qi.float(), keys).relu_() * qi.shape[-1] ** -0.5
+    s = torch.einsum("bhs,bh->bs", s, wi.float())
+    return s.masked_fill(idx >= count[:, None], float("-inf"))
+
+
+if triton is not None:
+    @triton.jit
+    def _index_scores_kernel(QI, WI, POOL, TABLE, COUNT, OUT, S, max_blocks, scale, NH: tl.constexpr,
+                             D: tl.constexpr, BE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+        b, sb = tl.program_id(0), tl.program_id(1)
+        rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+        n = tl.load(COUNT + b)
+        valid = rs < n
+        rd = tl.arange(0, D)
+        blk = tl.load(TABLE + b * max_blocks + rs // BE, mask=valid, other=0).to(tl.int64)
+        k = tl.load(POOL + ((blk * BE + rs % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+        k = k.to(tl.float32)
+        tot = tl.zeros((BLOCK_S,), tl.float32)
+        for h0 in range(0, NH, BLOCK_H):
+            rh = h0 + tl.arange(0, BLOCK_H)
+            mh = rh < NH
+            q = tl.load(QI + (b * NH + rh[:, None]) * D + rd[None, :], mask=mh[:, None], other=0.0).to(tl.float32)
+            w = tl.load(WI + b * NH + rh, mask=mh, other=0.0).to(tl.float32)
+            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0) * scale
+            tot += tl.sum(s * w[:, None], 0)
+        tot = tl.where(valid, tot, float("-inf"))
+        tl.store(OUT + b * S + rs, tot, mask=rs < S)
+
+
+def index_scores(qi, wi, pool, table, count, S: int):
+    B, nh, d = qi.shape
+    if not use_triton(qi) or d < 16 or d & (d - 1):
+        return index_scores_ref(qi, wi, pool, table, count, S)
+    out = torch.empty(B, S, dtype=torch.float32, device=qi.device)
+    bs = 64
+    _index_scores_kernel[(B, triton.cdiv(S, bs))](
+        qi.contiguous(), wi.contiguous(), pool, table, count, out, S, table.shape[1], d ** -0.5, NH=nh,
+        D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)
+    return out

@@ -1,0 +1,133 @@
+"""Block-scaled FP8 GEMM: e4m3 weights with 128x128 scales, activations quantized per 1x128 tile on the fly,
+fp32 accumulation (DeepSeek's W8A8 recipe).
+
+    y = fp8_linear(x, qweight, scale)     # x (..., K) bf16/fp32; qweight (N, K) fp8; scale (N/128, K/128) fp32
+
+Triton on CUDA/ROCm (`use_triton(x)`), pure torch elsewhere; both compute
+    y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * sx[m, kb] * sw[n // 128, kb].
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .quant import BLOCK, fp8_max
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU)."""
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# activation quantization, 1 x 128 tiles
+
+
+def act_quant_ref(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K), K % 128 == 0 -> (xq (M, K) fp8, sx (M, K/128) fp32) with sx = amax / fp8_max per tile."""
+    M, K = x.shape
+    t = x.float().view(M, K // BLOCK, BLOCK)
+    s = t.abs().amax(-1).clamp(min=1e-12) / fp8_max(fp8)
+    q = (t / s[..., None]).clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8)
+    return q.view(M, K), s
+
+
+if triton is not None:
+    @triton.jit
+    def _act_quant_kernel(X, Q, S, stride_x, fmax, BLOCK_K: tl.constexpr):
+        m, kb = tl.program_id(0), tl.program_id(1)
+        offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m * stride_x + offs).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x)), 1e-12) / fmax
+        q = tl.clamp(x / s, -fmax, fmax)
+        tl.store(Q + m * tl.num_programs(1) * BLOCK_K + offs, q.to(Q.dtype.element_ty))
+        tl.store(S + m * tl.num_programs(1) + kb, s)
+
+
+def act_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    assert K % BLOCK == 0, f"act_quant needs K % {BLOCK} == 0, got K={K}"
+    if not use_triton(x):
+        return act_quant_ref(x, fp8)
+    x = x.contiguous()
+    q = torch.empty(M, K, dtype=fp8, device=x.device)
+    s = torch.empty(M, K // BLOCK, dtype=torch.float32, device=x.device)
+    if M:
+        _act_quant_kernel[(M, K // BLOCK)](x, q, s, x.stride(0), fp8_max(fp8), BLOCK_K=BLOCK)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GEMM
+
+
+def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
+    """xq (M, K) fp8, sx (M, K/128); wq (N, K) fp8, sw (ceil(N/128), K/128) -> (M, N)."""
+    N = wq.shape[0]
+    x = xq.float() * sx.repeat_interleave(BLOCK, 1)
+    w = wq.float() * sw.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)
+    return (x @ w.T).to(out_dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_gemm_kernel(X, SX, W, SW, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm, mn = rm < M, rn < N
+        nkb = tl.cdiv(K, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // BLOCK_K
+            x = tl.load(X + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=mm[:, None], other=0.0)
+            w = tl.load(W + rn[:, None] * stride_w + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
+            sx = tl.load(SX + rm * nkb + kb, mask=mm, other=0.0)
+            sw = tl.load(SW + (rn // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
+            acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def _gemm_blocks(M: int, N: int) -> tuple[int, int]:
+    """Decode shapes are weight-bandwidth bound: keep at least ~2 programs per multiprocessor along N."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    bn = 128
+    while bn > 16 and (N + bn - 1) // bn < 256:
+        bn //= 2
+    return bm, bn
+
+
+def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16) -> torch.Tensor:
+    M, K = xq.shape
+    N = wq.shape[0]
+    assert K % BLOCK == 0 and wq.shape[1] == K, f"fp8_gemm: x {tuple(xq.shape)} vs w {tuple(wq.shape)}"
+    assert sw.shape == (-(-N // BLOCK), K // BLOCK), f"fp8_gemm: weight scale {tuple(sw.shape)} for w {tuple(wq.shape)}"
+    if not use_triton(xq):
+        return fp8_gemm_ref(xq, sx, wq, sw, out_dtype)
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M:
+        bm, bn = _gemm_blocks(M, N)
+        _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            xq, sx.contiguous(), wq, sw.contiguous(), y, M, N, xq.stride(0), wq.stride(0), y.stride(0), K=K,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """x (..., K) -> (..., N) in x's dtype: quantize x per 1x128 tile, block-scaled FP8 GEMM, fp32 accumulation."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
+        from .quant import dequant_fp8_block
+        return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
+    xq, sx = act_quant(x2, wq.dtype)
+    return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])

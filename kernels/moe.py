@@ -1,0 +1,174 @@
+"""Routed experts on the decode path: a grouped GEMM over the experts a batch actually routes to.
+
+    y = fused_moe(x, ids, weights, w1, w2, w3, s1, s2, s3, limit)
+
+Token slots (token, k) are sorted by expert and padded to BLOCK_M rows per expert (`moe_align`, static shapes,
+so the whole thing can live inside a CUDA graph); one program per (row block, column tile) reads the weights of
+its block's expert only, so experts nobody routed to are never read. Weights are FP8 with 128x128 block scales
+(activations quantized per 1x128 tile) or plain BF16 (s* = None). The torch reference loops over experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fp8_gemm import act_quant, act_quant_ref, triton, use_triton
+from .quant import BLOCK
+
+if triton is not None:
+    import triton.language as tl
+
+BLOCK_M = 16
+
+
+def moe_align(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """ids (T, k) -> sorted_slots (nb * block_m,) slot ids grouped by expert, padded with T*k;
+    block_expert (nb,) expert of each row block or -1; nb = ceil(T*k / block_m) + n_experts (a static bound)."""
+    flat = ids.reshape(-1)
+    S = flat.numel()
+    nb = -(-S // block_m) + n_experts
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    first = torch.cumsum(counts, 0) - counts
+    dest = (ends - padded)[e_sorted] + torch.arange(S, device=ids.device) - first[e_sorted]
+    sorted_slots = torch.full((nb * block_m,), S, dtype=torch.int64, device=ids.device).scatter_(0, dest, order)
+    starts = torch.arange(nb, device=ids.device) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < ends[-1], block_expert, torch.full_like(block_expert, -1))
+    return sorted_slots, block_expert
+
+
+def swiglu(g, u, limit: float):
+    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+
+
+def _linear(x, w, s):
+    """One expert's linear in the kernel's numerics: W8A8 with block scales, or plain matmul."""
+    if s is None:
+        return x @ w.T
+    from .fp8_gemm import fp8_gemm_ref
+    if x.shape[1] % BLOCK:
+        from .quant import dequant_fp8_block
+        return x.float() @ dequant_fp8_block(w, s).T
+    xq, sx = act_quant_ref(x, w.dtype)
+    return fp8_gemm_ref(xq, sx, w, s)
+
+
+def fused_moe_ref(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0):
+    """x (T, D); ids, weights (T, k); w1/w3 (E, I, D), w2 (E, D, I) [+ scales (E, ., .)] -> (T, D) in x's dtype."""
+    T, k = ids.shape
+    out = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    for e in flat.unique().tolist():
+        slots = (flat == e).nonzero()[:, 0]
+        xe = x[slots // k]
+        h = swiglu(_linear(xe, w1[e], None if s1 is None else s1[e]).float(),
+                   _linear(xe, w3[e], None if s3 is None else s3[e]).float(), limit).to(x.dtype)
+        out[slots] = _linear(h, w2[e], None if s2 is None else s2[e]).float() * weights.reshape(-1)[slots, None]
+    return out.view(T, k, -1).sum(1).to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SLOTS, BEXP, n_slots, stride_x, limit,
+                       K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SCALED: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pb, pn = tl.program_id(0), tl.program_id(1)
+        e = tl.load(BEXP + pb)
+        if e < 0:
+            return
+        rows = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(SLOTS + rows)
+        valid = slot < n_slots
+        tok = tl.where(valid, slot // TOPK, 0)
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = rn < I
+        rk = tl.arange(0, BLOCK_K)
+        nkb: tl.constexpr = K // BLOCK_K
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        wbase = e.to(tl.int64) * I * K
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(X + tok[:, None] * stride_x + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
+            woff = wbase + rn[:, None] * K + (k0 + rk)[None, :]
+            w1 = tl.load(W1 + woff, mask=mn[:, None], other=0.0)
+            w3 = tl.load(W3 + woff, mask=mn[:, None], other=0.0)
+            d1 = tl.dot(x, tl.trans(w1))
+            d3 = tl.dot(x, tl.trans(w3))
+            if SCALED:
+                kb = k0 // BLOCK_K
+                sx = tl.load(SX + tok * nkb + kb, mask=valid, other=0.0)
+                soff = e.to(tl.int64) * tl.cdiv(I, BLOCK_K) * nkb + (rn // BLOCK_K) * nkb + kb
+                d1 = d1 * sx[:, None] * tl.load(S1 + soff, mask=mn, other=0.0)[None, :]
+                d3 = d3 * sx[:, None] * tl.load(S3 + soff, mask=mn, other=0.0)[None, :]
+            acc1 += d1
+            acc3 += d3
+        g = tl.minimum(acc1, limit)
+        u = tl.minimum(tl.maximum(acc3, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(H + rows[:, None] * I + rn[None, :], h.to(H.dtype.element_ty), mask=valid[:, None] & mn[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
+                         K: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pb, pn = tl.program_id(0), tl.program_id(1)
+        e = tl.load(BEXP + pb)
+        if e < 0:
+            return
+        rows = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(SLOTS + rows)
+        valid = slot < n_slots
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = rn < D
+        rk = tl.arange(0, BLOCK_K)
+        nkb: tl.constexpr = K // BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        wbase = e.to(tl.int64) * D * K
+        for k0 in range(0, K, BLOCK_K):
+            h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
+            w = tl.load(W2 + wbase + rn[:, None] * K + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
+            d = tl.dot(h, tl.trans(w))
+            if SCALED:
+                kb = k0 // BLOCK_K
+                sh = tl.load(SH + rows * nkb + kb, mask=valid, other=0.0)
+                soff = e.to(tl.int64) * tl.cdiv(D, BLOCK_K) * nkb + (rn // BLOCK_K) * nkb + kb
+                d = d * sh[:, None] * tl.load(S2 + soff, mask=mn, other=0.0)[None, :]
+            acc += d
+        wt = tl.load(WTS + slot, mask=valid, other=0.0)
+        acc = acc * wt[:, None]
+        tl.store(Y + slot[:, None] * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
+
+
+def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0):
+    T, D = x.shape
+    E, I, _ = w1.shape
+    scaled = s1 is not None
+    if not use_triton(x) or D % BLOCK or I % BLOCK:
+        return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit)
+    k = ids.shape[1]
+    slots, bexp = moe_align(ids, E)
+    nb = bexp.shape[0]
+    x = x.contiguous()
+    if scaled:
+        xq, sx = act_quant(x, w1.dtype)
+    else:
+        xq, sx = x, x  # unused scale operand
+    h = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
+    bn = 64 if I >= 4096 else 32
+    _moe_up_kernel[(nb, triton.cdiv(I, bn))](
+        xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, slots, bexp, T * k, xq.stride(0), limit,
+        K=D, I=I, TOPK=k, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    if scaled:
+        hq, sh = act_quant(h, w2.dtype)
+    else:
+        hq, sh = h, h
+    y = torch.zeros(T * k, D, dtype=torch.float32, device=x.device)
+    bn = 64 if D >= 4096 else 32
+    _moe_down_kernel[(nb, triton.cdiv(D, bn))](
+        hq, sh, w2, s2 if scaled else w2, y, weights.reshape(-1).float().contiguous(), slots, bexp, T * k,
+        K=I, D=D, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+    return y.view(T, k, D).sum(1).to(x.dtype)

@@ -1,0 +1,121 @@
+"""Kernels: torch references against the model's own math (CPU, always); Triton kernels against the references
+under Triton's interpreter (CPU, when triton is installed) and on a GPU (when one is present)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kernels.attention import decode_attention_ref, index_scores_ref, window_positions
+from kernels.fp8_gemm import act_quant_ref, fp8_gemm_ref, fp8_linear
+from kernels.moe import fused_moe_ref, moe_align
+from kernels.quant import dequant_fp8_block, quant_fp8_block
+from model.model import attend
+
+G = torch.Generator().manual_seed(0)
+
+
+def test_fp8_linear_reference_is_blockwise_w8a8():
+    x, w = torch.randn(5, 256, generator=G), torch.randn(384, 256, generator=G) * 0.05
+    wq, ws = quant_fp8_block(w, torch.float8_e4m3fn, scale_fmt="fp32")
+    xq, sx = act_quant_ref(x, torch.float8_e4m3fn)
+    assert sx.shape == (5, 2) and torch.allclose(sx, x.view(5, 2, 128).abs().amax(-1) / 448)
+    want = (xq.float() * sx.repeat_interleave(128, 1)) @ dequant_fp8_block(wq, ws).T
+    assert torch.allclose(fp8_gemm_ref(xq, sx, wq, ws), want, atol=1e-5)
+    y = fp8_linear(x, wq, ws)
+    assert ((y - x @ w.T).norm() / (x @ w.T).norm()) < 0.06
+
+
+def test_decode_attention_reference_matches_attend():
+    B, H, d, W, BE = 3, 4, 32, 8, 4
+    q, win = torch.randn(B, H, d, generator=G), torch.randn(6, W, d, generator=G)
+    pool, sink = torch.randn(9, BE, d, generator=G), torch.randn(H, generator=G)
+    slots, pos = torch.tensor([5, 0, 2]), torch.tensor([3, 20, 9])
+    table = torch.tensor([[4, 1, 8], [2, 0, 0], [7, 3, 6]])
+    sel = torch.tensor([[0, 5, -1], [2, -1, -1], [9, 1, 4]])
+    out = decode_attention_ref(q, win, slots, pos, sink, 0.2, pool, table, sel=sel)
+    for b in range(B):
+        kp = window_positions(pos[b:b + 1], W)[0]
+        ok = sel[b] >= 0
+        ent = sel[b][ok]
+        comp = pool[table[b][ent // BE], ent % BE]
+        ref = attend(q[b][None, None], win[slots[b]][None], (kp >= 0)[None, None], comp[None],
+                     torch.ones(1, 1, comp.shape[0], dtype=torch.bool), sink, 0.2)
+        assert torch.allclose(out[b], ref[0, 0], atol=1e-5)
+
+
+def test_moe_align_and_reference():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    slots, be = moe_align(ids, 4, block_m=2)
+    blocks = slots.view(-1, 2).tolist()
+    # expert 0 <- slots 1, 4; expert 1 <- slot 3 (+ pad 6); expert 2 <- slots 0, 2, 5 (+ pad)
+    assert be.tolist()[:4] == [0, 1, 2, 2] and set(be.tolist()[4:]) == {-1}
+    assert blocks[:4] == [[1, 4], [3, 6], [0, 2], [5, 6]]
+    x = torch.randn(3, 16, generator=G)
+    w1, w3, w2 = torch.randn(4, 8, 16, generator=G), torch.randn(4, 8, 16, generator=G), torch.randn(4, 16, 8, generator=G)
+    wt = torch.rand(3, 2, generator=G)
+    want = torch.zeros(3, 16)
+    for t in range(3):
+        for j in range(2):
+            e = ids[t, j]
+            h = torch.nn.functional.silu((x[t] @ w1[e].T).clamp(max=10)) * (x[t] @ w3[e].T).clamp(-10, 10)
+            want[t] += wt[t, j] * (h @ w2[e].T)
+    assert torch.allclose(fused_moe_ref(x, ids, wt, w1, w2, w3), want, atol=1e-5)
+
+
+def test_index_scores_reference_matches_indexer_formula():
+    B, h, d, BE = 2, 8, 16, 4
+    qi, wi = torch.randn(B, h, d, generator=G), torch.randn(B, h, generator=G)
+    pool, table, count = torch.randn(5, BE, d, generator=G), torch.tensor([[3, 1], [4, 0]]), torch.tensor([6, 2])
+    s = index_scores_ref(qi, wi, pool, table, count, 8)
+    keys = pool[table[0].repeat_interleave(BE), torch.arange(8) % BE]
+    want = ((qi[0] @ keys.T).relu() * d ** -0.5 * wi[0][:, None]).sum(0)
+    assert torch.allclose(s[0, :6], want[:6], atol=1e-5) and torch.isinf(s[0, 6:]).all() and torch.isinf(s[1, 2:]).all()
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    import kernels.moe as km
+    from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref
+    from kernels.fp8_gemm import act_quant_ref, fp8_gemm, fp8_gemm_ref
+    from kernels.quant import quant_fp8_block
+    g = torch.Generator().manual_seed(1)
+    # the interpreter's own fp8 casts mis-round near powers of two, so both sides get torch's quantization
+    km.act_quant = act_quant_ref
+    x, w = torch.randn(9, 256, generator=g), torch.randn(200, 256, generator=g) * 0.05
+    xq, sx = act_quant_ref(x, torch.float8_e4m3fn)
+    wq, ws = quant_fp8_block(w, torch.float8_e4m3fn, scale_fmt="fp32")
+    assert (fp8_gemm(xq, sx, wq, ws, torch.float32) - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
+    T, k, E, D, I = 5, 2, 4, 128, 256
+    xx = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wt = torch.rand(T, k, generator=g)
+    ws_ = [torch.randn(E, I, D, generator=g) * 0.05, torch.randn(E, D, I, generator=g) * 0.05, torch.randn(E, I, D, generator=g) * 0.05]
+    q = [quant_fp8_block(t, torch.float8_e4m3fn, scale_fmt="fp32") for t in ws_]
+    args = (xx, ids, wt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
+    assert (km.fused_moe(*args) - km.fused_moe_ref(*args)).abs().max() < 1e-4
+    assert (km.fused_moe(xx, ids, wt, *ws_) - km.fused_moe_ref(xx, ids, wt, *ws_)).abs().max() < 1e-4
+    B, H, d, W, BE = 3, 4, 32, 16, 8
+    qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
+    pool, sink = torch.randn(10, BE, d, generator=g), torch.randn(H, generator=g)
+    slots, pos = torch.tensor([3, 0, 4]), torch.tensor([5, 40, 15])
+    table = torch.tensor([[2, 5, 7], [1, 0, 0], [9, 3, 0]])
+    sel = torch.tensor([[0, 3, 9, -1, 12], [1, 2, -1, -1, -1], [-1, -1, -1, -1, -1]])
+    count = torch.tensor([20, 5, 0])
+    for kw in ({}, dict(pool=pool, table=table, sel=sel), dict(pool=pool, table=table, count=count)):
+        a = decode_attention(qq, win, slots, pos, sink, 0.3, **kw)
+        assert (a - decode_attention_ref(qq, win, slots, pos, sink, 0.3, **kw)).abs().max() < 1e-5
+    qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
+    a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
+    print("ok")
+""")
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
