@@ -400,7 +400,7 @@ class SimpleEngine:
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _forward(self, seqs: list[SimpleSeq], chunks: list[list[int]]) -> torch.Tensor:
         """Feed chunks[i] for every sequence (positions seqs[i].pos ...); -> last-position logits (len(seqs), V)."""
         m, dev = self.model, self.device
@@ -679,7 +679,7 @@ class Runner:
         self.pool = None
 
     # -- prefill ----------------------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, batch: list[tuple[Sequence, int, int]]):
         """batch: (seq, a, b) = feed seq.feed[a:b] at positions a..b-1. -> last-position logits, routing (N, L, k)."""
         m, c, dev = self.model, self.cache, self.cache.device
@@ -761,7 +761,7 @@ class Runner:
         x, routing = run_layers(self.model, ids, pos, attention)
         return head_logits(self.model, x[0]), routing.to(torch.uint8)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode(self, seqs: list[Sequence]):
         """Feed every sequence's last sampled token. -> logits (B, V) fp32, routing (B, L, k) uint8."""
         c, dev = self.cache, self.cache.device

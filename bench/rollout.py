@@ -106,7 +106,8 @@ def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
     from transformers import DeepseekV4ForCausalLM
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
-        hf = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        # one dtype throughout: the fp32-kept modules would otherwise hand fp32 activations to bf16 linears
+        hf = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, model.cfg.vocab_size, (B, prompt_len), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
     def timed(n):

@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels import fused
+from kernels.fused import fused_ok
+
 from .config import CSA, HCA, SLIDING, ModelConfig
 
 # ---------------------------------------------------------------------------------------------------------
@@ -45,11 +48,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x):
+        if fused_ok(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 def rms_unweighted(x, eps: float):
+    if fused_ok(x):
+        return fused.rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -93,6 +100,10 @@ def apply_rope(x, cos, sin, inverse: bool = False):
 
     x: (..., T, [heads,] dim); cos/sin broadcastable to (..., T, [1,] rd/2): pass them already shaped.
     """
+    if fused_ok(x):
+        y = fused.rope(x, cos, sin, inverse)
+        if y is not None:
+            return y
     rd = cos.shape[-1] * 2
     nope, rope = x[..., :-rd], x[..., -rd:].float()
     x0, x1 = rope[..., 0::2], rope[..., 1::2]
@@ -442,6 +453,8 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column)."""
+    if fused_ok(x):
+        return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
     n = x.shape[-2]
     flat = rms_unweighted(x.flatten(-2).float(), norm_eps)
     mix = F.linear(flat, fn.float())
@@ -460,6 +473,8 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
 
 def hc_post(out, x, post, comb):
     """out (B, T, D) block output, x (B, T, n, D) streams -> new streams: post * out + comb^T @ x."""
+    if fused_ok(x):
+        return fused.hc_post(out, x, post, comb)
     mixed = torch.matmul(comb.transpose(-1, -2), x.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(x.dtype)
 

@@ -31,7 +31,9 @@ def test_fp8_gemm(M, N, K):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     wq, ws = quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02, f8, scale_fmt="fp32")
     xq, sx = act_quant(x, f8)
-    assert rel(fp8_gemm(xq, sx, wq, ws, torch.float32), fp8_gemm_ref(xq, sx, wq, ws)) < 1e-5
+    # Hopper's FP8 tensor cores accumulate a 128-wide K block at reduced precision (hence the per-block fp32
+    # promotion in the kernel); the reference accumulates in full fp32
+    assert rel(fp8_gemm(xq, sx, wq, ws, torch.float32), fp8_gemm_ref(xq, sx, wq, ws)) < 1e-3
 
 
 @pytest.mark.parametrize("T", [1, 64, 256])
@@ -85,6 +87,26 @@ def test_index_scores():
     a, b = index_scores(qi, wi, pool, table, count, S), index_scores_ref(qi, wi, pool, table, count, S)
     fin = ~torch.isinf(b)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and rel(a[fin], b[fin]) < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_hc_and_norms(n):
+    from kernels import fused
+    from model.model import RMSNorm, hc_post, hc_pre, rms_unweighted
+    g = torch.Generator("cuda").manual_seed(n)
+    x = torch.randn(64, n, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    fn = torch.randn((2 + n) * n, n * 2048, device="cuda", generator=g) * 0.02
+    base, sc = torch.randn((2 + n) * n, device="cuda", generator=g), torch.rand(3, device="cuda", generator=g) + 0.5
+    got, want = fused.hc_pre(x, fn, base, sc, 20, 1e-6, 1e-6), hc_pre(x, fn, base, sc, 20, 1e-6, 1e-6)
+    for a, b in zip(got, want):
+        assert rel(a, b) < 1e-3
+    out = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert rel(fused.hc_post(out, x, want[1], want[2]), hc_post(out, x, want[1], want[2])) < 1e-2
+    xb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert torch.equal(fused.rms_norm(xb, None, 1e-6), rms_unweighted(xb, 1e-6))
+    norm = RMSNorm(512, 1e-6).cuda()
+    norm.weight.data.normal_(generator=g)
+    assert rel(fused.rms_norm(xb, norm.weight, 1e-6), norm(xb)) < 1e-2
 
 
 def test_engine_graphs_match_eager_and_simple():

@@ -110,6 +110,29 @@ INTERPRETED = textwrap.dedent("""
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
+    from kernels import fused
+    from model.model import hc_pre, hc_post, rms_unweighted, RMSNorm
+    for n in (2, 3, 4):
+        xs = torch.randn(5, n, 96, generator=g)
+        fn, base, sc = torch.randn((2 + n) * n, n * 96, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+        for got, want in zip(fused.hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6), hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)):
+            assert (got - want).abs().max() < 1e-5, n
+        _, post, comb = hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
+        out = torch.randn(5, 96, generator=g)
+        assert (fused.hc_post(out, xs, post, comb) - hc_post(out, xs, post, comb)).abs().max() < 1e-5
+    from model.model import apply_rope
+    for shape, cshape in (((1, 6, 4, 48), (6, 1, 8)), ((1, 6, 48), (6, 8)), ((3, 1, 32), (3, 1, 8))):
+        xr = torch.randn(shape, generator=g)
+        ang = torch.randn(cshape, generator=g)
+        for inv in (False, True):
+            with torch.inference_mode():
+                got = apply_rope(xr, ang.cos(), ang.sin(), inverse=inv)
+            assert (got - apply_rope(xr, ang.cos(), ang.sin(), inverse=inv)).abs().max() < 1e-6
+    xb = torch.randn(7, 200, generator=g)  # fp32: the interpreter truncates bf16 casts (the GPU test checks bf16)
+    norm = RMSNorm(200, 1e-6)
+    norm.weight.data.normal_(generator=g)
+    assert (fused.rms_norm(xb, None, 1e-6) - rms_unweighted(xb, 1e-6)).abs().max() < 1e-5
+    assert (fused.rms_norm(xb, norm.weight, 1e-6) - norm(xb)).abs().max() < 1e-5
     print("ok")
 """)
 
