@@ -1095,14 +1095,23 @@ class RolloutClient:
     def generate(self, prompts, params, group_size: int = 1) -> list[Output]:
         return self.collect(self.submit(prompts, params, group_size))
 
-    def sync_weights(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
-        """Broadcast (name, tensor) pairs to every rollout rank in buckets; returns bytes sent per receiver."""
-        spec = [[n, str(t.dtype), list(t.shape)] for n, t in named]
+    def sync_weights(self, spec: list, tensors, bucket_bytes: int) -> int:
+        """Broadcast tensors (an iterator in `spec` order: [name, dtype, shape]) to every rollout rank in buckets
+        of at most bucket_bytes; returns the bytes each receiver got. The iterator is consumed bucket by bucket,
+        so a sharded actor can gather the next tensors while this one goes out."""
         for r in self.ranks:
             send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes}, {}, r, self.device)
         total = 0
+        it = iter(tensors)
         for idx in bucket_plan(spec, bucket_bytes):
-            buf = torch.cat([_bytes(named[i][1], self.device) for i in idx])
+            parts = []
+            for i in idx:
+                t = next(it)
+                if list(t.shape) != spec[i][2] or str(t.dtype) != spec[i][1]:
+                    raise ValueError(f"sync_weights: {spec[i][0]} is {t.dtype} {list(t.shape)}, spec says "
+                                     f"{spec[i][1]} {spec[i][2]}")
+                parts.append(_bytes(t, self.device))
+            buf = torch.cat(parts)
             dist.broadcast(buf, dist.get_rank(), group=self.sync_group)
             total += buf.numel()
         return total

@@ -24,7 +24,11 @@ The algorithm, every choice named (defaults in TrainConfig):
     (mean over sequences of per-sequence token means), seq-mean-token-sum-norm (sum over tokens / (sequences x
     rollout.max_tokens), Dr. GRPO). Denominators count the whole mini-batch across actor ranks.
   * train.minibatches optimizer steps per rollout batch; AdamW, linear warmup to train.lr over
-    train.warmup_steps optimizer steps, then constant; gradient clipping at train.grad_clip (global norm).
+    train.warmup_steps optimizer steps, then constant or cosine-decayed to train.min_lr_ratio x lr (late in a
+    run few groups carry signal, and Adam's step does not shrink with the gradient: a constant rate random-walks);
+    gradient clipping at train.grad_clip (global norm).
+    A batch in which every advantage is zero is not stepped on (Adam's momentum would move the weights with no
+    signal); the metrics record it as skipped_update.
   * Routing replay (train.routing_replay): off, or R3 = the actor's forward uses the expert ids the rollout
     engine picked (gate weights still come from the actor's scores, so the router learns).
   * Logged mismatch between the rollout and the actor: mismatch_kl = mean k3 estimate of KL(mu || pi_old)
@@ -51,8 +55,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from model import ModelConfig, build_model, load_pretrained, save_pretrained
+from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
+from model.model import Transformer, compile_fusions
+from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, local, make_actor_groups,
+                            shard_actor, use_expert_parallel)
+from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from rollout_server import Engine, RolloutClient, SamplingParams, SimpleEngine, serve
@@ -64,6 +72,10 @@ from rollout_server import Engine, RolloutClient, SamplingParams, SimpleEngine, 
 @dataclass
 class DeployConfig:
     rollout_ranks: int = 1            # the last ranks of the world; on multi-node runs, a node of their own
+    world_size: int = 0               # expected torchrun world size (0 = any); the memory planner needs it
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0       # per GPU, for the memory planner
+    host_memory_gb: float = 1024.0    # per node, for the memory planner
     backend: str = "auto"             # auto = nccl when CUDA is available, else gloo
     timeout_s: float = 1800.0
     cpu_threads: int = 0              # torch threads per rank on CPU; 0 = cores / local ranks
@@ -71,6 +83,8 @@ class DeployConfig:
     def __post_init__(self):
         if self.rollout_ranks < 1:
             raise ConfigError("rollout_ranks: need at least one rollout rank")
+        if self.world_size < 0 or self.gpus_per_node < 1 or self.gpu_memory_gb <= 0 or self.host_memory_gb <= 0:
+            raise ConfigError("world_size/gpus_per_node/gpu_memory_gb/host_memory_gb: out of range")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"backend: must be auto, nccl or gloo, got {self.backend!r}")
 
@@ -110,6 +124,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     warmup_steps: int = 10
+    lr_schedule: str = "constant"     # constant | cosine (to min_lr_ratio x lr at the last optimizer step)
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -119,8 +135,11 @@ class TrainConfig:
     tis_cap: float = 2.0
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2
-    routing_replay: str = "R3"        # off | R3
-    dtype: str = "fp32"               # actor parameter dtype: fp32 | bf16
+    routing_replay: str = "R3"        # off | R2 (the actor's own routing from the pi_old pass) | R3 (the rollout's)
+    dtype: str = "fp32"               # compute dtype (FSDP2 param_dtype); master weights and grads are fp32
+    ep: int = 1                       # expert-parallel degree over the actor ranks
+    optimizer_offload: bool = False   # AdamW moments in host memory, streamed through the GPU per parameter
+    compile: bool = False             # torch.compile the elementwise chains (mHC, RoPE, norms, softmax, SwiGLU)
     activation_checkpointing: bool = False
 
     LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -133,8 +152,12 @@ class TrainConfig:
             raise ConfigError("group_size: GRPO needs at least 2 samples per prompt")
         if self.loss_agg not in self.LOSS_AGGS:
             raise ConfigError(f"loss_agg: must be one of {self.LOSS_AGGS}, got {self.loss_agg!r}")
-        if self.routing_replay not in ("off", "R3"):
-            raise ConfigError(f"routing_replay: must be off or R3, got {self.routing_replay!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"lr_schedule: must be constant or cosine, got {self.lr_schedule!r}")
+        if self.routing_replay not in ("off", "R2", "R3"):
+            raise ConfigError(f"routing_replay: must be off, R2 or R3, got {self.routing_replay!r}")
+        if self.ep < 1:
+            raise ConfigError(f"ep: must be >= 1, got {self.ep}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.eps_low < 1 or self.eps_high < 0 or self.tis_cap <= 0 or self.lr <= 0:
@@ -147,6 +170,7 @@ class RolloutConfig:
     fp8: bool = True
     dtype: str = "bf16"               # compute dtype of the engine
     max_seqs: int = 256               # sequences decoded together (paged engine)
+    ep: int = 1                       # routed experts split over this many rollout ranks
     max_model_len: int = 4096         # prompt + completion tokens a sequence may reach
     mem_fraction: float = 0.85        # of the GPU memory left after the weights, for the cache pools
     cuda_graphs: bool = True
@@ -228,10 +252,16 @@ class RunConfig:
         return cfg
 
     def validate_world(self, world: int):
+        if self.deploy.world_size and self.deploy.world_size != world:
+            raise ConfigError(f"deploy.world_size: the config expects {self.deploy.world_size} ranks, torchrun started "
+                              f"{world}")
         n_actor = world - self.deploy.rollout_ranks
         if n_actor < 1:
             raise ConfigError(f"deploy.rollout_ranks: {self.deploy.rollout_ranks} rollout ranks leave no actor rank "
                               f"in a world of {world}")
+        if n_actor % self.train.ep or self.model.n_routed_experts % self.train.ep:
+            raise ConfigError(f"train.ep: {self.train.ep} must divide the actor ranks ({n_actor}) and "
+                              f"model.n_routed_experts ({self.model.n_routed_experts})")
         total = self.train.prompts_per_step * self.train.group_size
         if total % (n_actor * self.train.minibatches):
             raise ConfigError(f"train.prompts_per_step x train.group_size = {total} sequences must split evenly "
@@ -282,23 +312,10 @@ def policy_loss(logp, old_logp, rollout_logp, adv, mask, cfg: TrainConfig, norm:
     return loss, stats
 
 
-def token_logprobs(model, ids, attn_mask, loss_mask, temperature: float, replay=None, chunk: int = 4096):
-    """log pi(ids[t+1] | ids[:t+1]) at every position (S, T-1) and the entropy summed over loss_mask positions.
-
-    The head runs only where loss_mask is set, in chunks, so a 129k vocabulary never materializes (S, T, V)."""
-    h = model(ids, attention_mask=attn_mask, replay_experts=replay, return_hidden=True)[:, :-1]
-    sel = loss_mask.bool()
-    hs, tgt = h[sel], ids[:, 1:][sel]
-    lps, ent = [], h.new_zeros((), dtype=torch.float32)
-    for s in range(0, hs.shape[0], chunk):
-        logits = model.head(hs[s:s + chunk]).float() / temperature
-        lp = logits.log_softmax(-1)
-        lps.append(lp.gather(-1, tgt[s:s + chunk, None])[:, 0])
-        with torch.no_grad():
-            ent = ent + -(lp.exp() * lp).sum()
-    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=ids.device)
-    out = out.masked_scatter(sel, torch.cat(lps)) if lps else out
-    return out, ent
+def token_logprobs(model, ids, attn_mask, loss_mask, temperature: float, replay=None):
+    """log pi(ids[t+1] | ids[:t+1]) at every position (S, T-1) (zero off loss_mask) and the entropy summed over
+    loss_mask positions; the head runs only where loss_mask is set (see Transformer.forward)."""
+    return model(ids, attention_mask=attn_mask, replay_experts=replay, targets_mask=loss_mask, temperature=temperature)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,7 +328,7 @@ class Dist:
     world: int
     n_actor: int
     device: torch.device
-    actor_group: object
+    mesh: object          # model.parallel.ActorMesh on actor ranks, None on rollout ranks
     sync_group: object
 
     @property
@@ -319,8 +336,8 @@ class Dist:
         return self.rank < self.n_actor
 
     @property
-    def actor_rank(self):
-        return self.rank
+    def actor_group(self):
+        return self.mesh.actor_group
 
     @property
     def rollout_ranks(self):
@@ -342,13 +359,13 @@ def init_dist(cfg: RunConfig) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(cfg.deploy.cpu_threads or max(1, (os.cpu_count() or 1) // local))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(cfg.deploy.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.deploy.timeout_s))
     n_actor = world - cfg.deploy.rollout_ranks
-    actor_group = dist.new_group(list(range(n_actor)))
+    mesh = make_actor_groups(n_actor, cfg.train.ep, device.type)  # collective: every rank creates the groups
     sync_group = dist.new_group([0] + list(range(n_actor, world)))
-    return Dist(rank, world, n_actor, device, actor_group, sync_group)
+    return Dist(rank, world, n_actor, device, mesh, sync_group)
 
 
 def bcast_batch(batch: dict | None, d: Dist) -> dict:
@@ -373,19 +390,6 @@ def bcast_batch(batch: dict | None, d: Dist) -> dict:
         dist.broadcast(t, 0, group=d.actor_group)
         out[k] = t
     return out
-
-
-def allreduce_grads(params, d: Dist):
-    """Sum gradients over actor ranks (losses are already normalized by global counts)."""
-    if d.n_actor == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat, group=d.actor_group)
-    o = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[o:o + g.numel()].view_as(g).to(p.dtype)
-        o += g.numel()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -484,31 +488,51 @@ def make_batch(groups, cfg: RunConfig, pad_id: int, n_layers: int, top_k: int) -
 
 
 class Actor:
+    """The policy on the actor ranks: FSDP2 (+ expert parallelism), fp32 master weights, AdamW over the shards."""
+
     def __init__(self, cfg: RunConfig, d: Dist):
         self.cfg, self.d = cfg, d
-        dtype = DTYPES[cfg.train.dtype]
-        if cfg.init_from:
-            self.model = load_pretrained(cfg.init_from, d.device, dtype, progress=d.rank == 0)
-        else:
-            self.model = build_model(cfg.model, d.device, dtype, seed=cfg.seed)
-        self.model.activation_checkpointing = cfg.train.activation_checkpointing
-        self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.ndim >= 2]
-        no_decay = [p for p in self.params if p.ndim < 2]
         t = cfg.train
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2))
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        use_expert_parallel(model, d.mesh)
+        shard_actor(model, d.mesh, DTYPES[t.dtype])
+        model.to_empty(device=d.device)
+        model.reset_buffers()
+        if cfg.init_from:  # each rank reads only its experts and its FSDP rows
+            load_state(model, cfg.init_from, d.device, progress=d.rank == 0)
+        else:
+            full = build_model(cfg.model, d.device, torch.float32, seed=cfg.seed)
+            copy_full_state(model, full.state_dict().items())
+            del full
+        model.activation_checkpointing = t.activation_checkpointing
+        if t.compile:
+            compile_fusions(True)
+        self.model = model.train()
+        self.opt = AdamW(model.named_parameters(), t.lr, (t.beta1, t.beta2), weight_decay=t.weight_decay,
+                         offload=t.optimizer_offload)
+        self.params = [p for _, p, _ in self.opt.params]
         self.opt_steps = 0
         self.ref = None
-        if t.kl_coef > 0:
-            self.ref = build_model(cfg.model, d.device, dtype, seed=None)
-            self.ref.load_state_dict(self.model.state_dict())
-            self.ref.eval().requires_grad_(False)
+        if t.kl_coef > 0:  # a frozen copy, sharded the same way
+            with torch.device("meta"):
+                ref = Transformer(cfg.model)
+            use_expert_parallel(ref, d.mesh)
+            shard_actor(ref, d.mesh, DTYPES[t.dtype])
+            ref.to_empty(device=d.device)
+            ref.reset_buffers()
+            for (_, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+                local(a).copy_(local(b))
+            self.ref = ref.eval().requires_grad_(False)
 
     def lr_at(self, opt_step: int) -> float:
         t = self.cfg.train
-        return t.lr * min(1.0, (opt_step + 1) / max(1, t.warmup_steps))
+        warm = min(1.0, (opt_step + 1) / max(1, t.warmup_steps))
+        if t.lr_schedule == "constant":
+            return t.lr * warm
+        total = max(1, t.steps * t.minibatches - t.warmup_steps)
+        frac = min(1.0, max(0, opt_step + 1 - t.warmup_steps) / total)
+        return t.lr * warm * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def minibatches(self, S: int, step: int) -> list[tuple[list[int], list[int]]]:
         """(rows of the mini-batch on all ranks, this rank's share) for every mini-batch: a seeded shuffle of
@@ -522,68 +546,105 @@ class Actor:
         mb = self.cfg.train.micro_batch or len(rows)
         return [rows[i:i + mb] for i in range(0, len(rows), mb)]
 
-    def forward_lp(self, model, b, rows, replay):
-        ids, attn = b["ids"][rows], b["attn"][rows]
-        rp = b["routing"][rows].long() if replay else None
-        return token_logprobs(model, ids, attn, b["loss_mask"][rows], self.cfg.rollout.temperature, rp)
+    def forward_lp(self, model, b, rows, replay, return_routing=False):
+        out = model(b["ids"][rows], attention_mask=b["attn"][rows], replay_experts=replay,
+                    targets_mask=b["loss_mask"][rows], temperature=self.cfg.rollout.temperature,
+                    return_routing=return_routing)
+        return out
+
+    def routing_mismatch(self) -> tuple[float, float]:
+        st = torch.zeros(2, dtype=torch.float64, device=self.d.device)
+        for layer in self.model.layers:
+            g = layer.ffn.gate
+            if getattr(g, "replay_stats", None) is not None:
+                st += g.replay_stats.double().to(st.device)
+                g.replay_stats = None
+        return float(st[0]), float(st[1])
 
     def train_step(self, b: dict, step: int) -> dict:
         cfg, d = self.cfg, self.d
         b = {k: v.to(d.device) for k, v in b.items()}
-        replay = cfg.train.routing_replay == "R3"
+        mode = cfg.train.routing_replay
         mbs = self.minibatches(b["ids"].shape[0], step)
         mine = sorted(r for _, mb in mbs for r in mb)
         # pi_old (and the reference) for this rank's rows, before any update
         old = torch.zeros_like(b["rollout_lp"])
         ref = torch.zeros_like(b["rollout_lp"]) if self.ref is not None else None
+        replay = b["routing"].long() if mode == "R3" else None
+        own = torch.zeros_like(b["routing"]) if mode == "R2" else None
         ent = 0.0
         with torch.no_grad():
             for rows in self.micro(mine):
-                lp, e = self.forward_lp(self.model, b, rows, replay)
+                rp = None if replay is None else replay[rows]
+                if mode == "R2":
+                    (lp, e), routing = self.forward_lp(self.model, b, rows, None, return_routing=True)
+                    own[rows] = routing.to(own.dtype)
+                else:
+                    lp, e = self.forward_lp(self.model, b, rows, rp)
                 old[rows], ent = lp, ent + e.item()
                 if self.ref is not None:
-                    ref[rows] = self.forward_lp(self.ref, b, rows, replay)[0]
+                    ref[rows] = self.forward_lp(self.ref, b, rows, rp)[0]
+        if mode == "R2":
+            replay = own.long()
         mask = b["loss_mask"]
         s = {"tokens": mask[mine].sum().item(), "entropy": ent, "clip": 0.0, "tis_trunc": 0.0, "loss": 0.0,
              "grad_norm": 0.0}
         diff = (old - b["rollout_lp"])[mine][mask[mine].bool()]
         s["mismatch_kl"] = (torch.exp(diff) - 1 - diff).sum().item()
         s["mismatch_abs"] = diff.abs().sum().item()
+        s["skipped"] = float(bool((b["adv"] == 0).all()))
         for rows_all_ranks, rows in mbs:
+            if s["skipped"]:  # no group carries signal: a step would only replay Adam's momentum (drift)
+                break
             norm = {"tokens": mask[rows_all_ranks].sum().item(), "seqs": len(rows_all_ranks)}
-            self.opt.zero_grad(set_to_none=True)
-            for lr_param in self.opt.param_groups:
-                lr_param["lr"] = self.lr_at(self.opt_steps)
+            self.opt.zero_grad()
             for mrows in self.micro(rows):
-                lp, _ = self.forward_lp(self.model, b, mrows, replay)
+                lp, _ = self.forward_lp(self.model, b, mrows, None if replay is None else replay[mrows])
                 loss, st = policy_loss(lp, old[mrows], b["rollout_lp"][mrows], b["adv"][mrows], mask[mrows],
                                        cfg.train, norm, None if ref is None else ref[mrows], cfg.rollout.max_tokens)
                 loss.backward()
                 s["loss"] += loss.item()
                 s["clip"] += st["clip"]
                 s["tis_trunc"] += st["tis_trunc"]
-            allreduce_grads(self.params, d)
-            s["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, cfg.train.grad_clip))
-            self.opt.step()
+            s["grad_norm"] += clip_grad_norm(self.params, cfg.train.grad_clip, d.actor_group)
+            self.opt.step(self.lr_at(self.opt_steps))
             self.opt_steps += 1
         s["grad_norm"] /= len(mbs)
         s["loss"] /= len(mbs)
+        s["replay_diff"], s["replay_total"] = self.routing_mismatch()
         return self._reduce(s)
 
     def _reduce(self, s: dict) -> dict:
-        keys = ["tokens", "entropy", "clip", "tis_trunc", "loss", "mismatch_kl", "mismatch_abs"]
+        keys = ["tokens", "entropy", "clip", "tis_trunc", "loss", "mismatch_kl", "mismatch_abs", "replay_diff",
+                "replay_total"]
         v = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.d.device)
         if self.d.n_actor > 1:
             dist.all_reduce(v, group=self.d.actor_group)
         r = dict(zip(keys, v.tolist()))
         n = max(r["tokens"], 1)
-        return {"loss": r["loss"], "entropy": r["entropy"] / n, "clip_frac": r["clip"] / n,
-                "tis_trunc_frac": r["tis_trunc"] / n, "mismatch_kl": r["mismatch_kl"] / n,
-                "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"]}
+        out = {"loss": r["loss"], "entropy": r["entropy"] / n, "clip_frac": r["clip"] / n, "skipped_update": s["skipped"],
+               "tis_trunc_frac": r["tis_trunc"] / n, "mismatch_kl": r["mismatch_kl"] / n,
+               "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"]}
+        if r["replay_total"]:
+            out["routing_mismatch"] = r["replay_diff"] / r["replay_total"]
+        return out
 
-    def weights(self):
-        """(name, tensor) of everything the rollout model needs: parameters and persistent buffers."""
-        return [(k, v.detach()) for k, v in self.model.state_dict().items()]
+    def weight_spec(self, dtype) -> list:
+        """[name, dtype, full shape] of every tensor the rollout needs, in full_state order."""
+        experts = {n for n, m in self.model.named_modules() if type(m).__name__ == "EPExperts"}
+        spec = []
+        for name, t in self.model.state_dict().items():
+            shape = list(t.shape)
+            if name.rpartition(".")[0] in experts:
+                shape[0] *= self.d.mesh.ep
+            dt = t.dtype if not t.is_floating_point() or Transformer.keeps_fp32(name) else dtype
+            spec.append([name, str(dt), shape])
+        return spec
+
+    def full_weights(self, dtype):
+        """Collective over the actor ranks: full tensors in weight_spec order, cast for the rollout."""
+        for name, t in full_state(self.model, self.d.mesh):
+            yield t if not t.is_floating_point() or Transformer.keeps_fp32(name) else t.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,17 +667,17 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=d.actor_group)
+    # every actor rank writes its own shards: parameters (local FSDP shards of its experts and dense rows),
+    # AdamW moments, RNG states
     tensors = {f"rng.{k}": v for k, v in _rng_state().items()}
-    if d.rank == 0:  # replicated data parallel: rank 0 holds the whole model and optimizer
-        tensors.update({f"model.{k}": v.detach().cpu().contiguous() for k, v in actor.model.state_dict().items()})
-        for i, p in enumerate(actor.params):
-            for k, v in actor.opt.state.get(p, {}).items():
-                tensors[f"optim.{i}.{k}"] = v.detach().cpu().reshape(v.shape).contiguous()
+    tensors.update({f"model.{k}": local(v).detach().cpu().contiguous() for k, v in actor.model.state_dict().items()})
+    tensors.update({f"optim.{k}": v.contiguous() for k, v in actor.opt.state_tensors().items()})
     save_file(tensors, str(tmp / f"actor-rank{d.rank:05d}.safetensors"))
     dist.barrier(group=d.actor_group)
     if d.rank == 0:
-        meta = {"step": step, "opt_steps": actor.opt_steps, "task": task.state(), "world": d.world,
-                "n_actor": d.n_actor, "python_rng": list(random.getstate()[1]), "config": cfg.to_dict()}
+        meta = {"step": step, "opt_steps": actor.opt_steps, "adam_t": actor.opt.t, "task": task.state(),
+                "world": d.world, "n_actor": d.n_actor, "ep": d.mesh.ep, "python_rng": list(random.getstate()[1]),
+                "config": cfg.to_dict()}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -647,16 +708,18 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
 def load_checkpoint(actor: Actor, task, path: Path) -> int:
     d = actor.d
     meta = json.loads((path / "meta.json").read_text())
-    if meta["n_actor"] != d.n_actor:
-        raise SystemExit(f"{path}: written by {meta['n_actor']} actor ranks, this run has {d.n_actor}")
-    mine = load_file(str(path / f"actor-rank{d.rank:05d}.safetensors"))
-    model_src = mine if d.rank == 0 else load_file(str(path / "actor-rank00000.safetensors"))
-    state = {k[len("model."):]: v for k, v in model_src.items() if k.startswith("model.")}
-    actor.model.load_state_dict(state)
-    opt_src = {k: v for k, v in model_src.items() if k.startswith("optim.")}
-    for k, v in opt_src.items():
-        _, i, name = k.split(".", 2)
-        actor.opt.state[actor.params[int(i)]][name] = v.to(actor.d.device) if name != "step" else v
+    if (meta["n_actor"], meta.get("ep", 1)) != (d.n_actor, d.mesh.ep):
+        raise SystemExit(f"{path}: written by {meta['n_actor']} actor ranks with ep={meta.get('ep', 1)}; this run has "
+                         f"{d.n_actor} with ep={d.mesh.ep} (shards are per rank)")
+    f = path / f"actor-rank{d.rank:05d}.safetensors"
+    if not f.exists():
+        raise SystemExit(f"{path}: missing {f.name}")
+    mine = load_file(str(f))
+    with torch.no_grad():
+        for k, v in actor.model.state_dict().items():
+            local(v).copy_(mine[f"model.{k}"])
+    actor.opt.load_state_tensors({k[len("optim."):]: v for k, v in mine.items() if k.startswith("optim.")},
+                                 meta["adam_t"])
     actor.opt_steps = meta["opt_steps"]
     torch.set_rng_state(mine["rng.torch"])
     if "rng.cuda" in mine and torch.cuda.is_available():
@@ -725,7 +788,10 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
         keep = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in keep))
         print(f"resumed from step {start}")
-    client.sync_weights(actor.weights(), bucket)
+    rdtype = DTYPES[cfg.rollout.dtype]
+    spec = actor.weight_spec(rdtype)
+    _send_cmd(d, "sync", start)
+    client.sync_weights(spec, actor.full_weights(rdtype), bucket)
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
     bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
                dynamic_ncols=True)
@@ -739,11 +805,13 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
             bcast_batch(batch, d)
             ts = actor.train_step(batch, step)
             t2 = time.perf_counter()
-            sent = client.sync_weights(actor.weights(), bucket)
+            _send_cmd(d, "sync", step)
+            sent = client.sync_weights(spec, actor.full_weights(rdtype), bucket)
             t3 = time.perf_counter()
             m = {"step": step, "reward_mean": rs["reward_sum"] / rs["samples"], "accuracy": rs["correct"] / rs["samples"],
                  **{k: ts[k] for k in ("loss", "entropy", "clip_frac", "tis_trunc_frac", "mismatch_kl",
-                                       "mismatch_abs_logp", "grad_norm")},
+                                       "mismatch_abs_logp", "grad_norm", "routing_mismatch", "skipped_update")
+                    if k in ts},
                  "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
                  "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
                  "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
@@ -760,7 +828,8 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
                 f.write(json.dumps(m) + "\n")
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kl=f"{m['mismatch_kl']:.1e}")
         if cfg.ckpt.export_final:
-            save_pretrained(actor.model, out / "final")
+            _send_cmd(d, "export", cfg.train.steps)
+            export(actor, out / "final")
     finally:
         _send_cmd(d, "stop")
         client.stop()
@@ -773,7 +842,18 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
               f"last 10 steps {np.mean([r['reward_mean'] for r in last10]):.3f}; metrics in {metrics_path}")
 
 
-CMDS = {"train": 1, "ckpt": 2, "stop": 3}
+CMDS = {"train": 1, "ckpt": 2, "stop": 3, "sync": 4, "export": 5}
+
+
+def export(actor: Actor, path: Path | None):
+    """The trained model in the release layout (BF16). Collective: every actor rank streams its shards; only
+    the driver (path given) writes."""
+    named = zip((n for n, _, _ in actor.weight_spec(torch.float32)), actor.full_weights(torch.float32))
+    if path is None:
+        for _ in named:
+            pass
+        return
+    save_pretrained(None, path, cfg=actor.cfg.model, tensors=release_tensors(named, actor.cfg.model))
 
 
 def _send_cmd(d: Dist, cmd: str, step: int = 0):
@@ -809,6 +889,11 @@ def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task, resume: str):
             actor.train_step(bcast_batch(None, d), step)
         elif code == CMDS["ckpt"]:
             save_checkpoint(actor, step, task, out, cfg)
+        elif code == CMDS["sync"]:  # the driver broadcasts what the actor ranks gather together
+            for _ in actor.full_weights(DTYPES[cfg.rollout.dtype]):
+                pass
+        elif code == CMDS["export"]:
+            export(actor, None)
 
 
 def make_engine(cfg: RunConfig, model, device):

@@ -137,6 +137,7 @@ def main(argv=None):
     ap.add_argument("--long-batch", type=int, default=16)
     ap.add_argument("--long-ctx", default="1024,16384")
     ap.add_argument("--long-gen", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of batch-1 decode steps (FP8)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
@@ -161,6 +162,18 @@ def main(argv=None):
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=1, max_model_len=max_len, cuda_graphs=False)
+        prompt = [list(range(1, 65))]
+        eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(prompt, SamplingParams(max_tokens=9, ignore_eos=True))
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
+        print(f"profile: {launches} kernel launches for a 64-token prefill + 8 decode steps (eager)")
+        print(events.table(sort_by="cuda_time_total", row_limit=20), flush=True)
+        del eng
     if args.long_ctx and args.long_batch:
         ctxs = [int(c) for c in args.long_ctx.split(",")]
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,

@@ -1,6 +1,6 @@
 """Fused small ops for the decode path, where kernel count (not FLOPs or bytes) is the cost:
 
-    hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb   (one kernel instead of ~130)
+    hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb   (a GEMV + one kernel, not ~130)
     hc_post(out, x, post, comb) -> new streams
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
 
@@ -28,23 +28,22 @@ def _p2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _hc_pre_kernel(X, FN, BASE, SCALE, COLL, POST, COMB, eps, norm_eps, ITERS: tl.constexpr,
+    def _hc_pre_kernel(X, RAW, BASE, SCALE, COLL, POST, COMB, eps, norm_eps, ITERS: tl.constexpr,
                        N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
                        BLOCK: tl.constexpr):
+        """One token: RAW = x @ fn^T (from cuBLAS) scaled by the streams' rsqrt-mean-square, then pre / post /
+        Sinkhorn-projected comb, and the pre-weighted collapse of the streams."""
         t = tl.program_id(0)
         MIX: tl.constexpr = (2 + N_HC) * N_HC
         F: tl.constexpr = N_HC * D
         rm = tl.arange(0, MIXP)
-        acc = tl.zeros((MIXP,), tl.float32)
         ss = tl.zeros((BLOCK,), tl.float32)
         for f0 in range(0, F, BLOCK):
             rf = f0 + tl.arange(0, BLOCK)
-            mf = rf < F
-            x = tl.load(X + t * F + rf, mask=mf, other=0.0).to(tl.float32)
+            x = tl.load(X + t * F + rf, mask=rf < F, other=0.0).to(tl.float32)
             ss += x * x
-            w = tl.load(FN + rm[:, None] * F + rf[None, :], mask=(rm[:, None] < MIX) & mf[None, :], other=0.0)
-            acc += tl.sum(w * x[None, :], 1)
-        mix = acc * tl.rsqrt(tl.sum(ss, 0) / F + norm_eps)
+        raw = tl.load(RAW + t * MIX + rm, mask=rm < MIX, other=0.0)
+        mix = raw * tl.rsqrt(tl.sum(ss, 0) / F + norm_eps)
         b = tl.load(BASE + rm, mask=rm < MIX, other=0.0)
         s0, s1, s2 = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
         ri = tl.arange(0, NP)
@@ -73,7 +72,6 @@ if triton is not None:
             cm = cm / (tl.sum(cm, 0)[None, :] + eps)
         tl.store(POST + t * N_HC + ri, post, mask=mi)
         tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
-        # collapse the streams with pre
         for d0 in range(0, D, BLOCK):
             rd = d0 + tl.arange(0, BLOCK)
             md = rd < D
@@ -122,13 +120,14 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
+    raw = torch.nn.functional.linear(xf.float(), fn.float())  # the (n * D) x ((2 + n) n) GEMV goes to the BLAS
     coll = torch.empty(N, D, dtype=x.dtype, device=x.device)
     post = torch.empty(N, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
     if N:
-        _hc_pre_kernel[(N,)](xf, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(),
-                             coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=_p2(n), MIXP=_p2((2 + n) * n),
-                             BLOCK=256, num_warps=4)
+        _hc_pre_kernel[(N,)](xf, raw.contiguous(), base.float().contiguous(), scale.float().contiguous(),
+                             coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=_p2(n),
+                             MIXP=_p2((2 + n) * n), BLOCK=1024, num_warps=4)
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

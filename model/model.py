@@ -50,14 +50,22 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if fused_ok(x):
             return fused.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        return (self.weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return IMPL["rms"](x, self.weight, self.eps)
+
+
+def _rms(x, weight, eps: float):
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _rms_unweighted(x, eps: float):
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def rms_unweighted(x, eps: float):
     if fused_ok(x):
         return fused.rms_norm(x, None, eps)
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return IMPL["rms_unweighted"](x, eps)
 
 
 class Rope(nn.Module):
@@ -104,11 +112,13 @@ def apply_rope(x, cos, sin, inverse: bool = False):
         y = fused.rope(x, cos, sin, inverse)
         if y is not None:
             return y
+    return IMPL["rope"](x, cos, -sin if inverse else sin)
+
+
+def _rope(x, cos, sin):
     rd = cos.shape[-1] * 2
     nope, rope = x[..., :-rd], x[..., -rd:].float()
     x0, x1 = rope[..., 0::2], rope[..., 1::2]
-    if inverse:
-        sin = -sin
     y = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
     return torch.cat([nope, y.to(x.dtype)], dim=-1)
 
@@ -231,7 +241,11 @@ class Indexer(nn.Module):
 # attention
 
 
-def attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
+def attend(*args):
+    return IMPL["attend"](*args)
+
+
+def _attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
     """One softmax over [window keys, compressed entries, sink].
 
     q (B, T, H, d); window_kv (B, Kw, d); window_allowed (B or 1, T, Kw) bool;
@@ -322,8 +336,12 @@ class Attention(nn.Module):
             k0 = max(0, s - self.window + 1)
             qp, kp = pos[s:e, None], pos[None, k0:e]
             allowed = ((kp <= qp) & (kp > qp - self.window))[None]
-            outs.append(attend(q[:, s:e], kv[:, k0:e], allowed, comp,
-                               None if comp_mask is None else comp_mask[:, s:e], self.attn_sink, self.scale))
+            args = (q[:, s:e], kv[:, k0:e], allowed, comp, None if comp_mask is None else comp_mask[:, s:e],
+                    self.attn_sink, self.scale)
+            if torch.is_grad_enabled():  # keep the chunk's inputs only; its logits are recomputed in backward
+                outs.append(checkpoint(attend, *args, use_reentrant=False))
+            else:
+                outs.append(attend(*args))
         return self.project_out(torch.cat(outs, 1), cos, sin)
 
 
@@ -352,15 +370,26 @@ class Gate(nn.Module):
             return logits.sigmoid()
         return F.softplus(logits).sqrt()
 
-    def forward(self, x, input_ids=None, replay=None):
-        """x (N, D), input_ids (N,), replay (N, k) or None -> weights (N, k) fp32, ids (N, k) long."""
+    def forward(self, x, input_ids=None, replay=None, token_mask=None):
+        """x (N, D), input_ids (N,), replay (N, k) or None -> weights (N, k) fp32, ids (N, k) long.
+
+        With replay, `replay_stats` accumulates (tokens whose own top-k set differs from the replayed one,
+        tokens) over the real tokens (token_mask), for the actor's routing-mismatch metric."""
         s = self.scores(x)
         if self.hash:
             idx = self.tid2eid[input_ids].long()
         elif replay is not None:
             idx = replay.long()
-        else:
-            idx = (s + self.bias).topk(self.topk, dim=-1, sorted=False).indices
+            with torch.no_grad():
+                own = (s + self.bias).topk(self.topk, dim=-1).indices.sort(-1).values
+                diff = (own != idx.sort(-1).values).any(-1)
+                if token_mask is not None:
+                    diff = diff & token_mask
+                n = token_mask.sum() if token_mask is not None else torch.tensor(diff.numel(), device=diff.device)
+                st = torch.stack([diff.sum(), n]).float()
+                self.replay_stats = st if getattr(self, "replay_stats", None) is None else self.replay_stats + st
+        else:  # selection needs no gradient; the gathered weights carry it
+            idx = (s.detach() + self.bias).topk(self.topk, dim=-1, sorted=False).indices
         w = s.gather(1, idx)
         if self.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -368,6 +397,10 @@ class Gate(nn.Module):
 
 
 def swiglu(gate, up, limit: float):
+    return IMPL["swiglu"](gate, up, limit)
+
+
+def _swiglu(gate, up, limit: float):
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -388,11 +421,20 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, I, D))
 
     def expert(self, e: int):
-        """(w1, w2, w3) of local expert e; the rollout engine's FP8 experts dequantize here."""
+        """(w1, w2, w3) of local expert e."""
         return self.w1[e], self.w2[e], self.w3[e]
 
+    grouped = True  # torch._grouped_mm where it runs; False = the per-expert loop (the slow twin)
+
     def forward_sorted(self, xs, counts):
-        """xs (M, D) rows grouped by local expert, counts (E,) -> (M, D). Loop over experts with tokens."""
+        """xs (M, D) rows grouped by local expert, counts (E,) -> (M, D)."""
+        if xs.shape[0] == 0:  # no rows: keep the weights in the graph (FSDP reduce-scatters every gradient)
+            return xs + 0.0 * (self.w1[:1].sum() + self.w2[:1].sum() + self.w3[:1].sum())
+        if self.grouped and hasattr(torch, "_grouped_mm") and (xs.dtype == torch.bfloat16 or not xs.is_cuda):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = swiglu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs),
+                       torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs), self.limit)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
         out = torch.empty_like(xs)
         start = 0
         for e, c in enumerate(counts.tolist()):
@@ -434,11 +476,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit) \
             if cfg.n_shared_experts else None
 
-    def forward(self, x, input_ids, replay=None):
+    def forward(self, x, input_ids, replay=None, token_mask=None):
         """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]))
+        w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
+                           None if token_mask is None else token_mask.reshape(-1))
         y = self.experts(flat, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
@@ -455,6 +498,10 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column)."""
     if fused_ok(x):
         return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
+    return IMPL["hc_pre"](x, fn, base, scale, iters, eps, norm_eps)
+
+
+def _hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     n = x.shape[-2]
     flat = rms_unweighted(x.flatten(-2).float(), norm_eps)
     mix = F.linear(flat, fn.float())
@@ -475,8 +522,25 @@ def hc_post(out, x, post, comb):
     """out (B, T, D) block output, x (B, T, n, D) streams -> new streams: post * out + comb^T @ x."""
     if fused_ok(x):
         return fused.hc_post(out, x, post, comb)
+    return IMPL["hc_post"](out, x, post, comb)
+
+
+def _hc_post(out, x, post, comb):
     mixed = torch.matmul(comb.transpose(-1, -2), x.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(x.dtype)
+
+
+# The training path's elementwise chains: eager here, compiled by compile_fusions() (the eager ones are the twins).
+IMPL = {"rms": _rms, "rms_unweighted": _rms_unweighted, "rope": _rope, "attend": _attend, "swiglu": _swiglu,
+        "hc_pre": _hc_pre, "hc_post": _hc_post}
+EAGER = dict(IMPL)
+
+
+def compile_fusions(enable: bool = True):
+    """torch.compile the elementwise chains of the training path (mHC, RoPE, norms, masked softmax, SwiGLU):
+    each becomes a few fused kernels forward and backward instead of dozens of passes over fp32 copies."""
+    for k, f in EAGER.items():
+        IMPL[k] = torch.compile(f, dynamic=True) if enable else f
 
 
 class Block(nn.Module):
@@ -504,7 +568,7 @@ class Block(nn.Module):
         h, post, comb = self.hc("attn", x)
         x = hc_post(self.attn(self.attn_norm(h), ctx), x, post, comb)
         h, post, comb = self.hc("ffn", x)
-        y, idx = self.ffn(self.ffn_norm(h), input_ids, replay)
+        y, idx = self.ffn(self.ffn_norm(h), input_ids, replay, ctx.get("token_mask"))
         return hc_post(y, x, post, comb), idx
 
 
@@ -585,13 +649,16 @@ class Transformer(nn.Module):
         return (pre.unsqueeze(-1) * x).sum(-2).to(x.dtype)
 
     def forward(self, input_ids, attention_mask=None, replay_experts=None, return_routing: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False, targets_mask=None, temperature: float = 1.0):
         """input_ids (B, T) long -> logits (B, T, V) [, routing (B, T, L, k) long].
 
         attention_mask (B, T): 1 for real tokens, right padding only. Causality already keeps every real
-        token from seeing the padding after it, so the mask is only checked here; losses use it.
+        token from seeing the padding after it, so the mask is only checked here (and used for statistics).
         replay_experts (B, T, L, k): expert ids to use in the top-k layers instead of their own choice.
         return_hidden: return the final normed hidden states (B, T, D) instead of logits.
+        targets_mask (B, T - 1): return instead (logp (B, T - 1) fp32 of input_ids[:, 1:] under
+        logits / temperature, zero where the mask is 0; the entropy summed over the masked positions) with the
+        head applied only at masked positions, in chunks, so a 129k vocabulary never makes (B, T, V) logits.
         """
         B, T = input_ids.shape
         if attention_mask is not None:
@@ -602,21 +669,47 @@ class Transformer(nn.Module):
             raise ValueError(f"replay_experts must be (B, T, L, k) = ({B}, {T}, {len(self.layers)}, k), "
                              f"got {tuple(replay_experts.shape)}")
         ctx = self.rope_ctx(T, input_ids.device)
+        if attention_mask is not None:
+            ctx["token_mask"] = attention_mask.bool()
         h = self.embed(input_ids)
         x = h.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         routing = []
         for i, layer in enumerate(self.layers):
             replay = None if replay_experts is None else replay_experts[:, :, i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, idx = checkpoint(layer, x, input_ids, ctx, replay, use_reentrant=False)
+                # the recomputation must route exactly as the forward did: it replays the forward's choice
+                seen = {}
+
+                def run(x_, replay_, layer=layer, seen=seen):
+                    first = "idx" not in seen  # the recomputation records no routing statistics
+                    c = ctx if first else {k: v for k, v in ctx.items() if k != "token_mask"}
+                    out, idx = layer(x_, input_ids, c, replay_ if replay_ is not None else seen.get("idx"))
+                    seen.setdefault("idx", idx.detach())
+                    return out, idx
+                x, idx = checkpoint(run, x, replay, use_reentrant=False)
             else:
                 x, idx = layer(x, input_ids, ctx, replay)
             routing.append(idx)
         h = self.norm(self.hc_head(x))
-        out = h if return_hidden else self.head(h)
+        if targets_mask is not None:
+            out = self.token_logprobs(h[:, :-1], input_ids[:, 1:], targets_mask, temperature)
+        else:
+            out = h if return_hidden else self.head(h)
         if return_routing:
             return out, torch.stack(routing, dim=2)
         return out
+
+    def token_logprobs(self, h, targets, mask, temperature: float, chunk: int = 1024):
+        sel = mask.bool()
+        hs, tgt = h[sel], targets[sel]
+        lps, ent = [], h.new_zeros((), dtype=torch.float32)
+        for s in range(0, hs.shape[0], chunk):
+            lp = (self.head(hs[s:s + chunk]).float() / temperature).log_softmax(-1)
+            lps.append(lp.gather(-1, tgt[s:s + chunk, None])[:, 0])
+            with torch.no_grad():
+                ent = ent - (lp.exp() * lp).sum()
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
+        return (out.masked_scatter(sel, torch.cat(lps)) if lps else out), ent
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Transformer:

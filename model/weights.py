@@ -25,7 +25,7 @@ from tqdm import tqdm
 from kernels.quant import BLOCK, dequant_fp8_block, dequant_mxfp4, quant_fp8_block
 
 from .config import ModelConfig, load_hf_config
-from .model import Transformer
+from .model import Experts, Transformer
 
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2}
 FLOATS = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
@@ -148,24 +148,44 @@ def _decode(key: str, t: torch.Tensor, shards: _Shards, device) -> torch.Tensor:
     raise WeightError(f"tensor '{key}' has unsupported dtype {t.dtype}")
 
 
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(first global row, rows) held here: all of a plain tensor, this rank's dim-0 shard of an FSDP2 DTensor."""
+    from .parallel import shard_rows
+    return shard_rows(t)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def load_state(model: Transformer, path: str | Path, device=None, progress: bool = True) -> None:
-    """Fill every parameter and persistent buffer of `model` (already allocated) from a checkpoint directory."""
+    """Fill every parameter and persistent buffer of `model` (already allocated) from a checkpoint directory.
+
+    Sharded models load only what this rank holds: the experts of its EP slice (others are never read) and the
+    dim-0 rows of its FSDP shards."""
     path = Path(path)
     files, wm = _checkpoint_files(path)
     shards = _Shards(path, wm)
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    device = torch.device(device) if device is not None else _local(next(model.parameters())).device
     targets = dict(model.state_dict(keep_vars=True))
     tied = model.cfg.tie_word_embeddings
     filled: set = set()
-    experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "Experts"}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
 
     def put(name, dst, src, label):
-        if tuple(dst.shape) != tuple(src.shape):
+        start, n = _rows(dst)
+        full_shape = tuple(dst.shape)
+        if full_shape != tuple(src.shape):
             raise WeightError(f"tensor '{label}': shape {tuple(src.shape)} in the checkpoint, the model "
-                              f"(config.json) expects {tuple(dst.shape)}")
+                              f"(config.json) expects {full_shape}")
         with torch.no_grad():
-            dst.copy_(src.to(dst.dtype))
+            _local(dst).copy_(src[start:start + n].to(_local(dst).dtype))
         filled.add(name)
+
+    def own_experts(mod, leaf):
+        """Local expert indices whose rows this rank holds."""
+        start, n = _rows(getattr(mod, leaf))
+        return range(start, start + n), start
 
     by_file: dict[str, list[str]] = {}
     for k, f in wm.items():
@@ -182,21 +202,30 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                 mod = experts.get(m.group(1))
                 if mod is None:
                     raise WeightError(f"tensor '{key}': no layer '{m.group(1)}' in this config")
-                t = _decode(key, shards.get(key), shards, device)
                 if m.re is _EXPERT:
-                    local = int(m.group(2)) - mod.expert_offset
-                    if 0 <= local < mod.n_local:
-                        put((f"{m.group(1)}.{m.group(3)}", local), getattr(mod, m.group(3))[local], t, key)
+                    e = int(m.group(2)) - mod.expert_offset
+                    rows, start = own_experts(mod, m.group(3))
+                    if e in rows:
+                        t = _decode(key, shards.get(key), shards, device)
+                        param = getattr(mod, m.group(3))
+                        if tuple(t.shape) != tuple(param.shape[1:]):
+                            raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
+                                              f"(config.json) expects {tuple(param.shape[1:])}")
+                        with torch.no_grad():
+                            _local(param)[e - start].copy_(t)
+                        filled.add((f"{m.group(1)}.{m.group(3)}", e))
                     continue
-                lo, hi = mod.expert_offset, mod.expert_offset + mod.n_local
-                if m.group(2) == "gate_up_proj":
-                    inter = t.shape[1] // 2
-                    for e in range(lo, hi):
-                        put((f"{m.group(1)}.w1", e - lo), mod.w1[e - lo], t[e, :inter], key)
-                        put((f"{m.group(1)}.w3", e - lo), mod.w3[e - lo], t[e, inter:], key)
-                else:
-                    for e in range(lo, hi):
-                        put((f"{m.group(1)}.w2", e - lo), mod.w2[e - lo], t[e], key)
+                t = _decode(key, shards.get(key), shards, device)
+                lo = mod.expert_offset
+                leaves = ("w1", "w3") if m.group(2) == "gate_up_proj" else ("w2",)
+                inter = t.shape[1] // 2
+                for leaf in leaves:
+                    rows, start = own_experts(mod, leaf)
+                    part = t if leaf == "w2" else (t[:, :inter] if leaf == "w1" else t[:, inter:])
+                    with torch.no_grad():
+                        for e in rows:
+                            _local(getattr(mod, leaf))[e - start].copy_(part[lo + e])
+                            filled.add((f"{m.group(1)}.{leaf}", e))
                 continue
             if name == "head.weight" and tied:
                 continue
@@ -209,11 +238,11 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
     for name in targets:
         mod_name, _, leaf = name.rpartition(".")
         if mod_name in experts:
-            n = experts[mod_name].n_local
-            got = sum((name, i) in filled for i in range(n))
-            if got < n:
-                first = next(i for i in range(n) if (name, i) not in filled) + experts[mod_name].expert_offset
-                missing.append(f"{mod_name}.{first}.{leaf}.weight (and {n - got - 1} more experts)")
+            mod = experts[mod_name]
+            rows, _ = own_experts(mod, leaf)
+            lacking = [e for e in rows if (name, e) not in filled]
+            if lacking:
+                missing.append(f"{mod_name}.{lacking[0] + mod.expert_offset}.{leaf}.weight (and {len(lacking) - 1} more experts)")
         elif name not in filled and not (tied and name == "head.weight"):
             missing.append(name)
     if missing:
@@ -243,19 +272,22 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
 # writing
 
 
-def export_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """(release name, tensor) for every tensor of `model`, experts split per expert."""
-    experts = {n for n, m in model.named_modules() if type(m).__name__ == "Experts"}
-    offsets = {n: m.expert_offset for n, m in model.named_modules() if type(m).__name__ == "Experts"}
-    for name, t in model.state_dict().items():
-        mod, _, leaf = name.rpartition(".")
-        if mod in experts:
+def release_tensors(named, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state_dict name, full tensor) pairs -> (release name, tensor): stacked experts split per expert."""
+    for name, t in named:
+        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(w[123])$", name)
+        if m is not None:
             for e in range(t.shape[0]):
-                yield f"{mod}.{e + offsets[mod]}.{leaf}.weight", t[e]
-        elif name == "head.weight" and model.cfg.tie_word_embeddings:
+                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", t[e]
+        elif name == "head.weight" and cfg.tie_word_embeddings:
             continue
         else:
             yield name, t
+
+
+def export_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(release name, tensor) for every tensor of an unsharded model."""
+    return release_tensors(model.state_dict().items(), model.cfg)
 
 
 def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = False, dtype=torch.bfloat16,

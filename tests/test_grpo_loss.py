@@ -90,7 +90,7 @@ def test_token_logprobs_match_full_logits():
     mask = torch.zeros(2, 11)
     mask[0, 3:8] = 1
     mask[1, 5:11] = 1
-    lp, ent = token_logprobs(m, ids, attn, mask, temperature=0.7, chunk=4)
+    lp, ent = token_logprobs(m, ids, attn, mask, temperature=0.7)
     full = (m(ids)[:, :-1].float() / 0.7).log_softmax(-1)
     want = full.gather(-1, ids[:, 1:, None])[..., 0] * mask
     assert torch.allclose(lp, want, atol=1e-5)

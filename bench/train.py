@@ -1,0 +1,136 @@
+"""The actor's training step on 1..N GPUs: FSDP2 (+ expert parallelism), BF16 compute, fp32 master weights.
+
+    torchrun --standalone --nproc-per-node 2 bench/train.py --config configs/mini.yaml --batch 4 --seq 2048 [--ckpt]
+
+A step is what the GRPO actor does per mini-batch: forward to per-token log-probs (head only where needed),
+a policy-gradient loss, backward (FSDP reduce-scatter), global-norm clipping and AdamW. Tokens per GPU per step =
+batch x seq. MFU = 6 x active parameters x tokens / step time / peak, with the peak bf16 matmul rate measured on
+each GPU in the same run (8192^3), summed over GPUs. --profile prints the top CUDA kernels of one step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import ModelConfig, build_model  # noqa: E402
+from model.config import load_yaml  # noqa: E402
+from model.model import Transformer  # noqa: E402
+from model.parallel import (AdamW, clip_grad_norm, copy_full_state, make_actor_groups, shard_actor,  # noqa: E402
+                            use_expert_parallel)
+
+
+def matmul_peak(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return 2 * n ** 3 / sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/mini.yaml")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the elementwise chains")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
+    peak = matmul_peak()
+    mesh = make_actor_groups(world, args.ep, "cuda")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    use_expert_parallel(model, mesh)
+    shard_actor(model, mesh, torch.bfloat16)
+    model.to_empty(device="cuda")
+    model.reset_buffers()
+    full = build_model(cfg, "cuda", torch.float32, seed=0)
+    copy_full_state(model, full.state_dict().items())
+    del full
+    torch.cuda.empty_cache()
+    model.activation_checkpointing = args.ckpt
+    if args.compile:
+        from model.model import compile_fusions
+        compile_fusions(True)
+    model.train()
+    opt = AdamW(model.named_parameters(), 1e-5, (0.9, 0.95))
+    params = [p for _, p, _ in opt.params]
+    g = torch.Generator("cuda").manual_seed(rank)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+    mask = torch.ones(args.batch, args.seq - 1, device="cuda")
+    adv = torch.randn(args.batch, 1, device="cuda", generator=g)
+
+    def step():
+        lp, _ = model(ids, attention_mask=torch.ones_like(ids), targets_mask=mask)
+        loss = -(lp * adv * mask).sum() / (mask.sum() * world)
+        loss.backward()
+        clip_grad_norm(params, 1.0, mesh.actor_group)
+        opt.step()
+        opt.zero_grad()
+
+    step()  # warm up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
+    peaks = torch.tensor([peak], device="cuda")
+    dist.all_reduce(peaks)
+    tokens = args.batch * args.seq * world
+    counts = cfg.param_counts()
+    r = {"device": torch.cuda.get_device_name(), "gpus": world, "config": args.config, "ep": args.ep, "compile": args.compile,
+         "batch_per_gpu": args.batch, "seq": args.seq, "activation_checkpointing": args.ckpt, "step_s": dt,
+         "tokens_per_s": tokens / dt, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+         "bf16_matmul_tflops_per_gpu": peak / 1e12, "params_active": counts["active"],
+         "mfu": 6 * counts["active"] * tokens / dt / float(peaks)}
+    if rank == 0:
+        print(json.dumps(r))
+        print(f"{r['device']} x{world}: {args.config} train step, {args.batch}x{args.seq} tokens/GPU, ckpt={args.ckpt}, "
+              f"compile={args.compile}: "
+              f"{r['tokens_per_s']:.0f} tok/s, step {dt * 1e3:.0f} ms, peak {r['peak_mem_gib']:.1f} GiB, "
+              f"MFU {100 * r['mfu']:.1f}% of {r['bf16_matmul_tflops_per_gpu']:.0f} TFLOP/s per GPU measured here", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(r))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Actor parallelism: FSDP2 over the actor ranks and expert parallelism (EP) for the routed experts.
+
+Actor ranks 0..N-1, EP degree e dividing N:
+    EP group of rank r        the e consecutive ranks [r - r % e, r - r % e + e): tokens are exchanged here,
+                              rank r holds the routed experts [(r % e) * E/e, (r % e + 1) * E/e) of every layer
+    expert-DP group of rank r the ranks with the same r % e: they hold the same experts
+Dense parameters are FSDP-sharded over all N actor ranks, each rank's experts over its expert-DP group, with
+MixedPrecisionPolicy(param_dtype=<compute dtype>, reduce_dtype=fp32) and fp32 master weights. Gradients are
+summed, not averaged (losses are normalized by global counts). The optimizer is AdamW over the local shards,
+its state optionally kept in host memory and streamed through the GPU per parameter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import nn
+
+from .config import ModelConfig
+from .model import Experts, Transformer
+
+
+@dataclass
+class ActorMesh:
+    n: int
+    rank: int
+    ep: int
+    actor_group: object
+    ep_group: object
+    edp_group: object
+    device_type: str
+
+    @property
+    def ep_rank(self):
+        return self.rank % self.ep
+
+    def meshes(self):
+        from torch.distributed.device_mesh import DeviceMesh
+        dense = DeviceMesh.from_group(self.actor_group, self.device_type)
+        expert = DeviceMesh.from_group(self.edp_group, self.device_type)
+        return dense, expert
+
+
+def make_actor_groups(n_actor: int, ep: int, device_type: str) -> ActorMesh | None:
+    """Collective: every rank of the world calls it (process groups are created by all ranks together).
+    Returns the calling rank's view, or None on a non-actor rank."""
+    if n_actor % ep:
+        raise ValueError(f"train.ep={ep} must divide the number of actor ranks ({n_actor})")
+    rank = dist.get_rank()
+    actor = dist.new_group(list(range(n_actor)))
+    ep_groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, n_actor, ep)]
+    edp_groups = [dist.new_group(list(range(j, n_actor, ep))) for j in range(ep)]
+    if rank >= n_actor:
+        return None
+    return ActorMesh(n_actor, rank, ep, actor, ep_groups[rank // ep], edp_groups[rank % ep], device_type)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# expert parallelism
+
+
+class EPExperts(Experts):
+    """This rank's slice of the routed experts; forward exchanges token slots with the EP group (all-to-all),
+    runs the local experts on what it received, and sends the results back. Autograd flows through both
+    exchanges, and the router weights multiply on the token's own rank."""
+
+    def __init__(self, cfg: ModelConfig, mesh: ActorMesh):
+        E = cfg.n_routed_experts
+        if E % mesh.ep:
+            raise ValueError(f"train.ep={mesh.ep} must divide n_routed_experts ({E})")
+        super().__init__(cfg, n_local=E // mesh.ep, expert_offset=mesh.ep_rank * (E // mesh.ep))
+        self.group, self.ep = mesh.ep_group, mesh.ep
+
+    def forward(self, x, idx, w):
+        """x (N, D), idx (N, k) global expert ids, w (N, k) -> (N, D)."""
+        if self.ep == 1:
+            return super().forward(x, idx, w)
+        N, k = idx.shape
+        D = x.shape[1]
+        flat = idx.reshape(-1)
+        dest = flat // self.n_local
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        sc, rc = send.tolist(), recv.tolist()
+        x_recv = dist_nn.all_to_all_single(x.new_empty(sum(rc), D), x[order // k], rc, sc, group=self.group)
+        e_send = (flat - dest * self.n_local)[order]
+        e_recv = e_send.new_empty(sum(rc))
+        dist.all_to_all_single(e_recv, e_send, rc, sc, group=self.group)
+        o2 = torch.argsort(e_recv, stable=True)
+        y_sorted = self.forward_sorted(x_recv[o2], torch.bincount(e_recv, minlength=self.n_local))
+        y_recv = y_sorted[torch.argsort(o2)]
+        y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
+        ys = y_back[torch.argsort(order)].view(N, k, D)
+        return (ys * w[..., None].to(ys.dtype)).sum(1)
+
+
+def use_expert_parallel(model: Transformer, mesh: ActorMesh):
+    """Swap every layer's experts for this rank's EP slice (on whatever device the model is, meta included)."""
+    for layer in model.layers:
+        dev = layer.ffn.experts.w1.device
+        with torch.device(dev):
+            layer.ffn.experts = EPExperts(model.cfg, mesh)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2
+
+
+def shard_actor(model: Transformer, mesh: ActorMesh, param_dtype: torch.dtype, reshard_after_forward: bool = True):
+    """fully_shard the experts over the expert-DP group, every block and the root over the actor ranks."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    dense, expert = mesh.meshes()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer.ffn.experts, mesh=expert, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # sum gradients (losses carry global normalizers)
+            (getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor)(1.0)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def shard_rows(t: torch.Tensor) -> tuple[int, int]:
+    """(first global row along dim 0, rows) of this rank's local shard of t (FSDP2 shards dim 0 like chunk)."""
+    if not hasattr(t, "device_mesh"):
+        return 0, t.shape[0]
+    mesh = t.device_mesh
+    n, r = mesh.size(), mesh.get_local_rank()
+    size = -(-t.shape[0] // n)
+    start = min(r * size, t.shape[0])
+    return start, local(t).shape[0]
+
+
+@torch.no_grad()
+def full_state(model: Transformer, mesh: ActorMesh | None):
+    """(name, full tensor) for every tensor of the model, in state_dict order, all experts of a layer stacked.
+    Collective over the actor ranks: every actor rank iterates it in lockstep."""
+    experts = {n for n, m in model.named_modules() if isinstance(m, Experts)}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if mesh is not None and mesh.ep > 1 and name.rpartition(".")[0] in experts:
+            parts = [torch.empty_like(full) for _ in range(mesh.ep)]
+            dist.all_gather(parts, full.contiguous(), group=mesh.ep_group)
+            full = torch.cat(parts)
+        yield name, full
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, group) -> float:
+    """Global gradient norm over every rank's local shards (each element lives on exactly one rank);
+    scales the gradients down to max_norm. Returns the norm before clipping."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        sq += g.double().square().sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    norm = math.sqrt(float(sq))
+    if max_norm > 0 and norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+class AdamW:
+    """AdamW (decoupled weight decay, torch.optim.AdamW's formula) over local shards; offload=True keeps the
+    moments in (pinned) host memory and streams each parameter's through the device for its update."""
+
+    def __init__(self, named_params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 offload: bool = False):
+        self.params = [(n, p, p.ndim >= 2) for n, p in named_params if p.requires_grad]
+        self.lr, self.betas, self.eps, self.wd, self.offload = lr, betas, eps, weight_decay, offload
+        self.t = 0
+        self.state = {}
+        for n, p, _ in self.params:
+            lp = local(p)
+            if offload:
+                mk = lambda: torch.zeros(lp.shape, dtype=torch.float32, pin_memory=lp.is_cuda)  # noqa: E731
+            else:
+                mk = lambda: torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)  # noqa: E731
+            self.state[n] = (mk(), mk())
+
+    def zero_grad(self):
+        for _, p, _ in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None):
+        lr = self.lr if lr is None else lr
+        b1, b2 = self.betas
+        self.t += 1
+        bc1, bc2 = 1 - b1 ** self.t, math.sqrt(1 - b2 ** self.t)
+        for n, p, decay in self.params:
+            if p.grad is None:
+                continue
+            w, g = local(p), local(p.grad).float()
+            m, v = self.state[n]
+            if self.offload:
+                m, v = m.to(w.device, non_blocking=True), v.to(w.device, non_blocking=True)
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if decay and self.wd:
+                w.mul_(1 - lr * self.wd)
+            w.addcdiv_(m.to(w.dtype), (v.sqrt() / bc2).add_(self.eps).to(w.dtype), value=-lr / bc1)
+            if self.offload:
+                self.state[n][0].copy_(m, non_blocking=True)
+                self.state[n][1].copy_(v, non_blocking=True)
+        if self.offload and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def state_tensors(self) -> dict:
+        out = {}
+        for n, (m, v) in self.state.items():
+            out[f"{n}.exp_avg"], out[f"{n}.exp_avg_sq"] = m.cpu(), v.cpu()
+        return out
+
+    def load_state_tensors(self, tensors: dict, t: int):
+        for n, (m, v) in self.state.items():
+            m.copy_(tensors[f"{n}.exp_avg"])
+            v.copy_(tensors[f"{n}.exp_avg_sq"])
+        self.t = t
+
+
+@torch.no_grad()
+def copy_full_state(model: Transformer, named_full):
+    """Copy full tensors (state_dict names, all experts stacked) into a possibly sharded model: each rank keeps
+    its EP slice of the experts and its FSDP rows."""
+    targets = model.state_dict(keep_vars=True)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    for name, full in named_full:
+        dst = targets[name]
+        mod = experts.get(name.rpartition(".")[0])
+        if mod is not None:
+            full = full[mod.expert_offset:mod.expert_offset + mod.n_local]
+        start, n = shard_rows(dst)
+        local(dst).copy_(full[start:start + n])

@@ -1,0 +1,189 @@
+"""Memory plan of a run config: per-rank bytes on the actor and rollout sides, and whether it fits.
+
+    python -m model.plan --config configs/dsv4.yaml [dotted.key=value ...]
+
+Actor rank: fp32 master parameters, fp32 gradients and AdamW moments (8 bytes per parameter; in host memory with
+train.optimizer_offload), all sharded over the actor ranks (experts over their expert-parallel slice, then
+FSDP); the working copies FSDP gathers (one layer and the next, in the compute dtype, plus the root's embedding
+and head); activations of one micro-batch of rollout.max_model_len tokens (with activation checkpointing: every
+layer's input streams plus one layer's recomputation).
+Rollout rank: FP8 dense linears and experts (the experts split over rollout.ep ranks) with their block scales,
+the BF16/fp32 rest, the cache pools for rollout.max_seqs sequences of rollout.max_model_len tokens, and the
+decode step's working set.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import CSA, HCA, ModelConfig
+
+GB = 1e9
+
+
+def param_split(cfg: ModelConfig) -> dict:
+    """Parameter counts: routed experts, dense (everything else), root (embedding, head, final norm / hc head),
+    one layer's dense parameters at most, FP8-held linears, their 128x128 blocks."""
+    D, H, hd, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    I, E, L = cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_hidden_layers
+    blocks = lambda r, c: -(-r // 128) * -(-c // 128)  # noqa: E731
+    fp8 = fp8_blocks = 0
+    layer_dense, comp_bf16 = [], 0
+    hc = 2 * ((2 + n) * n * n * D + (2 + n) * n + 3)
+    fp32_kept = cfg.num_hidden_layers * (hc + 2 * D + cfg.q_lora_rank + hd + H) + n * n * D + n + 1 + D
+    for i in range(L):
+        lin = [(cfg.q_lora_rank, D), (H * hd, cfg.q_lora_rank), (hd, D), (cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups),
+               (D, cfg.o_groups * cfg.o_lora_rank)]
+        lin += [(cfg.shared_intermediate_size, D), (D, cfg.shared_intermediate_size), (cfg.shared_intermediate_size, D)] \
+            if cfg.n_shared_experts else []
+        other = E * D + 2 * ((2 + n) * n * n * D + (2 + n) * n + 3) + 2 * D + cfg.q_lora_rank + hd + H
+        t = cfg.layer_type(i)
+        if t == CSA:
+            ih = cfg.index_head_dim
+            lin.append((cfg.index_n_heads * ih, cfg.q_lora_rank))
+            bf = 2 * D * 2 * hd + 2 * D * 2 * ih + D * cfg.index_n_heads
+            other += bf + cfg.csa_ratio * 2 * (hd + ih) + hd + ih
+            comp_bf16 += bf
+            fp32_kept += cfg.csa_ratio * 2 * (hd + ih) + hd + ih
+        elif t == HCA:
+            bf = 2 * D * hd
+            other += bf + cfg.hca_ratio * hd + hd
+            comp_bf16 += bf
+            fp32_kept += cfg.hca_ratio * hd + hd
+        fp8 += sum(r * c for r, c in lin)
+        fp8_blocks += sum(blocks(r, c) for r, c in lin)
+        layer_dense.append(sum(r * c for r, c in lin) + other)
+    root = cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + D + n * n * D + n + 1
+    experts = L * E * 3 * D * I
+    return {"experts": experts, "dense": sum(layer_dense) + root, "root": root, "layer_dense_max": max(layer_dense),
+            "layer_experts": E * 3 * D * I, "fp8_dense": fp8, "fp8_dense_blocks": fp8_blocks,
+            "expert_blocks": L * E * (2 * blocks(I, D) + blocks(D, I)), "total": sum(layer_dense) + root + experts,
+            "fp32_kept": fp32_kept}
+
+
+def activation_bytes_per_token(cfg: ModelConfig, esize: int) -> dict:
+    """Bytes autograd keeps per token, by part: "layer" = one layer's saved tensors (attention keeps only each
+    query chunk's inputs, its logits are recomputed in backward; mHC keeps fp32 stream copies and the Sinkhorn
+    iterates), "stream" = a layer's input streams (what activation checkpointing keeps), "head" = the final
+    collapse, norm and the chunked head's log-probabilities."""
+    D, H, hd, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult, cfg.num_experts_per_tok
+    I, Is = cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    hc_site = 4 * (3 * n * D + (2 + n) * n * 4 + 2 * cfg.hc_sinkhorn_iters * (n * n + n)) + esize * n * D
+    attn = esize * (4 * D + 2 * cfg.q_lora_rank + 5 * H * hd + 6 * hd + 2 * cfg.o_groups * cfg.o_lora_rank) \
+        + 4 * H * hd
+    moe = 4 * (D + 3 * cfg.n_routed_experts) + esize * (2 * k * D + 4 * k * I + 4 * Is + 2 * D)
+    return {"layer": 2 * hc_site + attn + moe + 4 * n * D * 2, "stream": esize * n * D,
+            "head": 4 * (2 * n * D + 3 * D) + esize * D + 4 * 2 * cfg.vocab_size / 1024 * 8}
+
+
+def activations(cfg: ModelConfig, tokens: int, esize: int, checkpointing: bool) -> dict:
+    """Saved activation bytes of a micro-batch: kept through the forward, and the transient recompute peak."""
+    a = activation_bytes_per_token(cfg, esize)
+    L = cfg.num_hidden_layers
+    if checkpointing:
+        return {"kept": tokens * (L * a["stream"] + a["head"]), "recompute": tokens * a["layer"]}
+    return {"kept": tokens * (L * a["layer"] + a["stream"] + a["head"]), "recompute": 0.0}
+
+
+def attention_chunk_bytes(cfg: ModelConfig, seq: int, chunk: int = 512) -> float:
+    """Transient peak of one attention query chunk in backward: fp32 logits, probabilities and their gradient
+    over the window, the chunk and every compressed entry."""
+    keys = min(seq, chunk) + cfg.sliding_window + seq // cfg.csa_ratio
+    return 4 * 4 * cfg.num_attention_heads * min(seq, chunk) * keys
+
+
+def plan(run) -> dict:
+    """run: train_grpo.RunConfig. -> {"actor": {...}, "rollout": {...}, "host": {...}, "fits": bool, ...}."""
+    cfg, dep, tr, ro = run.model, run.deploy, run.train, run.rollout
+    ps = param_split(cfg)
+    n_actor = dep.world_size - dep.rollout_ranks
+    esize = 2 if tr.dtype == "bf16" else 4
+    per_param = ps["total"] / n_actor
+    a = {"params (fp32 master)": 4 * per_param, "grads (fp32)": 4 * per_param,
+         "optimizer (AdamW moments)": 0.0 if tr.optimizer_offload else 8 * per_param}
+    local_experts_layer = ps["layer_experts"] / tr.ep
+    a["FSDP working copies"] = esize * (2 * (ps["layer_dense_max"] + local_experts_layer) + ps["root"]) \
+        + 4 * (ps["layer_dense_max"] + local_experts_layer)  # one layer's unsharded fp32 gradient for reduce
+    tokens = (tr.micro_batch or 1) * ro.max_model_len
+    act = activations(cfg, tokens, esize, tr.activation_checkpointing)
+    a["activations"] = act["kept"]
+    a["one layer recomputed (transient)"] = act["recompute"]
+    a["attention chunk (transient)"] = (tr.micro_batch or 1) * attention_chunk_bytes(cfg, ro.max_model_len)
+    a["logits (chunked head)"] = 3 * 4 * min(tokens, 1024) * cfg.vocab_size
+    # rollout
+    E = cfg.n_routed_experts
+    rs = 2 if ro.dtype == "bf16" else 4
+    fp8 = 1 if ro.fp8 else rs
+    buffers = 4 * E * (cfg.num_hidden_layers - cfg.num_hash_layers) + 8 * cfg.vocab_size * cfg.num_experts_per_tok * cfg.num_hash_layers
+    r = {"dense FP8 linears": fp8 * ps["fp8_dense"] + (4 * ps["fp8_dense_blocks"] if ro.fp8 else 0),
+         "other weights (BF16/fp32)": rs * (ps["dense"] - ps["fp8_dense"] - ps["fp32_kept"]) + 4 * ps["fp32_kept"]
+         + buffers,
+         "routed experts": (fp8 * ps["experts"] + (4 * ps["expert_blocks"] if ro.fp8 else 0)) / ro.ep}
+    r["cache pools"] = cache_bytes(cfg, ro.max_seqs, ro.max_model_len, rs)
+    S = ro.max_model_len // cfg.csa_ratio
+    r["decode working set"] = ro.max_seqs * (4 * (cfg.vocab_size * 3 + S * 2) + rs * 64 * cfg.hidden_size) \
+        + ro.max_seqs * cfg.num_experts_per_tok * rs * cfg.moe_intermediate_size * 4
+    gpu = dep.gpu_memory_gb * GB
+    usable = 0.95 * gpu
+    per_node_actor = min(dep.gpus_per_node, n_actor)
+    host = {"actor node: AdamW moments": (8 * per_param * per_node_actor) if tr.optimizer_offload else 0.0}
+    fits_actor = sum(a.values()) <= usable
+    fits_rollout = sum(r.values()) <= usable
+    fits_host = sum(host.values()) <= 0.9 * dep.host_memory_gb * GB
+    return {"actor": a, "rollout": r, "host": host, "params": ps, "n_actor": n_actor, "gpu_bytes": gpu,
+            "fits_actor": fits_actor, "fits_rollout": fits_rollout, "fits_host": fits_host,
+            "fits": fits_actor and fits_rollout and fits_host}
+
+
+def cache_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, esize: int, block_entries: int = 64) -> float:
+    """The paged engine's pools (rollout_server.PagedCache) at full capacity: max_seqs + 1 slots (window ring,
+    compressor buffers and overlap series) and max_seqs x max_blocks + 1 blocks of compressed entries (and fp32
+    indexer keys for CSA)."""
+    slot, block = 0, {"csa": 0, "hca": 0}
+    for i in range(cfg.num_hidden_layers):
+        slot += cfg.sliding_window * cfg.head_dim * esize
+        t = cfg.layer_type(i)
+        if t == CSA:
+            r, hd, ih = cfg.csa_ratio, cfg.head_dim, cfg.index_head_dim
+            slot += 4 * r * (2 * 2 * hd + 2 * hd) + 4 * r * (2 * 2 * ih + 2 * ih)
+            block["csa"] += block_entries * (hd * esize + ih * 4)
+        elif t == HCA:
+            slot += 4 * cfg.hca_ratio * 2 * cfg.head_dim
+            block["hca"] += block_entries * cfg.head_dim * esize
+    ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
+    blocks = {k: max_seqs * max(1, -(-(max_len // ratio[k]) // block_entries)) + 1 for k in ratio}
+    return (max_seqs + 1) * slot + sum(blocks[k] * block[k] for k in block)
+
+
+def report(run, p: dict) -> str:
+    lines = [f"model: {p['params']['total'] / 1e9:.2f}B parameters ({p['params']['experts'] / 1e9:.2f}B in routed "
+             f"experts); {p['n_actor']} actor ranks (ep={run.train.ep}), {run.deploy.rollout_ranks} rollout ranks "
+             f"(ep={run.rollout.ep}); {run.deploy.gpu_memory_gb:g} GB per GPU, {run.deploy.host_memory_gb:g} GB host "
+             f"memory per node of {run.deploy.gpus_per_node} GPUs"]
+    for role, key in (("actor rank", "actor"), ("rollout rank", "rollout"), ("host", "host")):
+        lines.append(f"{role}:")
+        for k, v in p[key].items():
+            lines.append(f"  {k:<32} {v / GB:10.2f} GB")
+        cap = (0.95 * p["gpu_bytes"] if key != "host" else 0.9 * run.deploy.host_memory_gb * GB) / GB
+        lines.append(f"  {'total':<32} {sum(p[key].values()) / GB:10.2f} GB of {cap:.1f} GB usable")
+    verdict = "fits" if p["fits"] else "does not fit"
+    why = [k for k in ("actor", "rollout", "host") if not p[f"fits_{k}"]]
+    lines.append(verdict + ("" if p["fits"] else f" ({', '.join(why)} over)"))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Per-rank memory plan of a run config.")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ".")
+    from train_grpo import RunConfig
+    run = RunConfig.load(args.config, args.overrides)
+    p = plan(run)
+    print(report(run, p))
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Run under torchrun (gloo): the sharded actor (FSDP2 + expert parallelism) against the single-process model.
+
+    torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt]
+
+Same batch (split across ranks), same weights: the loss, every gradient and the weights after one AdamW step
+must equal the unsharded model's within fp32 tolerance. Exits non-zero on a mismatch.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import ModelConfig, build_model  # noqa: E402
+from model.config import load_yaml  # noqa: E402
+from model.model import Transformer  # noqa: E402
+from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, make_actor_groups, shard_actor,  # noqa: E402
+                            use_expert_parallel)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--ckpt", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    N, rank = dist.get_world_size(), dist.get_rank()
+    mesh = make_actor_groups(N, args.ep, "cpu")
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+    ref = build_model(cfg, seed=0)
+    with torch.no_grad():  # diverse routing: every expert gets tokens from several ranks
+        for n, p in ref.named_parameters():
+            if p.ndim >= 2 and "hc_" not in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * p.shape[-1] ** -0.5)
+    with torch.device("meta"):
+        sharded = Transformer(cfg)
+    use_expert_parallel(sharded, mesh)
+    shard_actor(sharded, mesh, torch.float32)
+    sharded.to_empty(device="cpu")
+    sharded.reset_buffers()
+    copy_full_state(sharded, ref.state_dict().items())
+    sharded.activation_checkpointing = args.ckpt
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 2 * N, 40
+    ids = torch.randint(3, 32, (B, T), generator=g)
+    mask = (torch.rand(B, T - 1, generator=g) < 0.7).float()
+    total = mask.sum()
+
+    def loss_of(model, rows):
+        lp, _ = model(ids[rows], targets_mask=mask[rows])
+        return -(lp * mask[rows]).sum() / total
+
+    ref_loss = loss_of(ref, list(range(B)))
+    ref_loss.backward()
+    mine = list(range(rank, B, N))
+    loss = loss_of(sharded, mine)
+    loss.backward()
+    got = loss.detach().clone()
+    dist.all_reduce(got)
+    ok = torch.allclose(got, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    errors = [] if ok else [f"loss {got.item()} vs {ref_loss.item()}"]
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    grad_full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) if p.grad is not None else None
+                 for n, p in sharded.named_parameters()}
+    for n, gfull in grad_full.items():
+        if gfull is not None and mesh.ep > 1 and ".ffn.experts." in n:
+            parts = [torch.empty_like(gfull) for _ in range(mesh.ep)]
+            dist.all_gather(parts, gfull.contiguous(), group=mesh.ep_group)
+            gfull = torch.cat(parts)
+        want = ref_grads[n]
+        if (want is None) != (gfull is None) or (want is not None and not torch.allclose(gfull, want, rtol=1e-4, atol=1e-6)):
+            err = None if want is None or gfull is None else (gfull - want).abs().max().item()
+            errors.append(f"grad {n}: max diff {err}")
+    # one clipped AdamW step on both; eps above fp32 gradient noise (a first Adam step is ~ g / (|g| + eps), so
+    # near-zero gradients that differ by rounding would otherwise move by a sizeable fraction of lr)
+    opt_ref = AdamW(ref.named_parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    opt = AdamW(sharded.named_parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    n_ref = clip_grad_norm([p for _, p, _ in opt_ref.params], 0.5, None)
+    n_sh = clip_grad_norm([p for _, p, _ in opt.params], 0.5, mesh.actor_group)
+    if abs(n_ref - n_sh) > 1e-4 * max(1.0, n_ref):
+        errors.append(f"grad norm {n_sh} vs {n_ref}")
+    opt_ref.step()
+    opt.step()
+    after = dict(ref.state_dict())
+    for n, full in full_state(sharded, mesh):
+        if not torch.allclose(full, after[n], rtol=1e-4, atol=1e-5):
+            errors.append(f"weight {n} after the step: max diff {(full - after[n]).abs().max().item()}")
+    if errors:
+        print(f"rank {rank}: {len(errors)} mismatches: {errors[:5]}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The memory planner against measured allocations on small configs, and its verdict on the shipped configs."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import ModelConfig, build_model
+from model.config import load_yaml
+from model.plan import activations, param_split, plan
+from rollout_server import Engine
+from train_grpo import RunConfig
+
+VARIANT = ["model.hidden_size=128", "model.head_dim=64", "model.moe_intermediate_size=96", "model.hc_mult=4",
+           "model.num_attention_heads=8"]
+
+
+@pytest.mark.parametrize("ov", [[], VARIANT], ids=["tiny", "wider"])
+def test_parameters_exact_and_activations_bounded(ov):
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"] + ov)["model"])
+    m = build_model(cfg, seed=0).train()
+    ps = param_split(cfg)
+    assert ps["total"] == sum(p.numel() for p in m.parameters())
+    assert ps["experts"] == sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    for ckpt in (False, True):
+        m.activation_checkpointing = ckpt
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+        B, T = 4, 128
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(torch.randint(0, 32, (B, T)), targets_mask=torch.ones(B, T - 1))
+        est = activations(cfg, B * T, 4, ckpt)["kept"]
+        ratio = est / sum(seen.values())
+        # never below what autograd keeps; at most 1.5x (the planner is conservative where it approximates)
+        assert 1.0 <= ratio <= (1.1 if ckpt else 1.5), (ckpt, ratio)
+
+
+def test_rollout_weights_and_pools_equal_the_engine_allocation():
+    ov = ["model.vocab_size=256", "model.hidden_size=256", "model.head_dim=128", "model.qk_rope_head_dim=32",
+          "model.q_lora_rank=128", "model.o_lora_rank=128", "model.moe_intermediate_size=128",
+          "model.index_head_dim=128", "deploy.world_size=3", "rollout.max_seqs=4", "rollout.max_model_len=512",
+          "rollout.dtype=bf16"]
+    run = RunConfig.load("configs/tiny.yaml", ov)
+    p = plan(run)["rollout"]
+    eng = Engine(build_model(run.model, seed=0), fp8=True, dtype=torch.bfloat16, device="cpu", max_seqs=4,
+                 max_model_len=512)
+    weights = sum(t.numel() * t.element_size() for n, t in list(eng.model.named_parameters())
+                  + list(eng.model.named_buffers()) if "inv_freq" not in n)
+    c = eng.cache
+    pools = sum(t.numel() * t.element_size() for d in (c.win, c.entries, c.ikeys, c.buf_kv, c.buf_gate, c.prev_kv,
+                                                        c.prev_gate, c.ibuf_kv, c.ibuf_gate, c.iprev_kv, c.iprev_gate)
+                for t in d.values())
+    assert weights == p["dense FP8 linears"] + p["other weights (BF16/fp32)"] + p["routed experts"]
+    assert pools == p["cache pools"]
+
+
+def test_dsv4_fits_two_plus_one_mi308x_nodes():
+    r = subprocess.run([sys.executable, "-m", "model.plan", "--config", "configs/dsv4.yaml"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "fits" and "284.33B parameters" in lines[0]
+    r = subprocess.run([sys.executable, "-m", "model.plan", "--config", "configs/dsv4.yaml",
+                        "rollout.max_model_len=16384", "rollout.max_tokens=8192"], capture_output=True, text=True)
+    assert r.stdout.strip().splitlines()[-1] == "does not fit (actor over)"
