@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import sys
 import time
 from collections import deque
@@ -162,14 +163,20 @@ class FP8Linear(nn.Module):
 
 class EngineExperts(nn.Module):
     """Routed experts for inference: FP8 with block scales (fp8 given) or in the compute dtype, always through
-    the grouped kernel (`fused_moe`: only the experts a batch routes to are read)."""
+    the grouped kernel (`fused_moe`: only the experts a batch routes to are read).
 
-    def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype):
+    Under rollout expert parallelism (ep = (group, size, rank)) this rank holds experts [offset, offset + n_local)
+    of each layer, computes only the token slots routed to them, and the group sums the routed output."""
+
+    def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None):
         super().__init__()
-        self.n_local, self.expert_offset, self.limit = ex.n_local, ex.expert_offset, ex.limit
+        self.group, size, rank = ep if ep is not None else (None, 1, 0)
+        self.n_local = ex.n_local // size
+        self.expert_offset, self.limit = rank * self.n_local, ex.limit
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
+        sl = slice(self.expert_offset, self.expert_offset + self.n_local)
         for name in ("w1", "w2", "w3"):
-            w = getattr(ex, name).data
+            w = getattr(ex, name).data[sl]
             if fp8 is not None:
                 q, s = quant_fp8_block(w, fp8, BLOCK, scale_fmt)
                 self.register_buffer(name, q)
@@ -179,7 +186,13 @@ class EngineExperts(nn.Module):
                 setattr(self, "s" + name[1], None)
 
     def forward(self, x, idx, w):
-        return fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit)
+        if self.group is not None:  # other ranks' experts -> the skipped bucket
+            idx = idx - self.expert_offset
+            idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
+        y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit)
+        if self.group is not None:
+            dist.all_reduce(y, group=self.group)
+        return y
 
     @torch.no_grad()
     def load_(self, name: str, w: torch.Tensor):
@@ -193,9 +206,9 @@ class EngineExperts(nn.Module):
 
 
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str = "fp32",
-                            progress: bool = False) -> Transformer:
+                            progress: bool = False, ep=None) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
-    routed experts behind the grouped kernel."""
+    routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism)."""
     if isinstance(model_or_path, (str, Path)):
         model = load_pretrained(model_or_path, device, dtype, progress=progress)
     else:
@@ -209,27 +222,71 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
                 setattr(parent, name, FP8Linear(child.weight.data, q, scale_fmt, dtype))
             elif type(child) is Experts:
-                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype))
+                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep))
     return model
+
+
+FP8_SCALE = ".fp8_scale"  # suffix of the block scales that travel after an FP8-quantized tensor
+
+
+def is_fp8_held(name: str) -> bool:
+    """Whether the rollout holds this state_dict tensor in FP8 (the release's FP8 linears, the routed experts)."""
+    return bool(FP8_LINEAR.search(name)) or bool(re.search(r"\.ffn\.experts\.w[123]$", name))
 
 
 @torch.no_grad()
 def update_weights(model: Transformer, named_tensors):
-    """Load (name, tensor) pairs named like the training model's state_dict; FP8 holders re-quantize in place
-    (the tensors keep their storage, so captured CUDA graphs stay valid)."""
+    """Load (name, tensor) pairs named like the training model's state_dict. FP8 holders re-quantize in place,
+    or, when the sender already quantized (an FP8 tensor followed by `<name>.fp8_scale`), copy the bytes as they
+    are. Tensors keep their storage, so captured CUDA graphs stay valid. Under rollout expert parallelism only
+    this rank's slice of each layer's experts is kept."""
     mods = dict(model.named_modules())
     state = model.state_dict()
     for name, t in named_tensors:
-        mod_name, _, leaf = name.rpartition(".")
+        scale = name.endswith(FP8_SCALE)
+        base = name[: -len(FP8_SCALE)] if scale else name
+        mod_name, _, leaf = base.rpartition(".")
         mod = mods.get(mod_name)
-        if isinstance(mod, FP8Linear) and leaf == "weight":
-            mod.load_(t)
-        elif isinstance(mod, EngineExperts):
-            mod.load_(leaf, t)
+        if isinstance(mod, EngineExperts):
+            t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
+            if scale:
+                getattr(mod, "s" + leaf[1]).copy_(t)
+            elif t.dtype == getattr(mod, leaf).dtype and mod.fp8 is not None:
+                getattr(mod, leaf).copy_(t)
+            else:
+                mod.load_(leaf, t)
+        elif isinstance(mod, FP8Linear) and leaf == "weight":
+            if scale:
+                mod.scale.copy_(t)
+            elif t.dtype == mod.qweight.dtype:
+                mod.qweight.copy_(t)
+            else:
+                mod.load_(t)
         elif name in state:
             state[name].copy_(t.to(state[name].device))
         else:
             raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Position-weighted byte sum of a tensor (for verifying a weight sync end to end)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(b.numel(), device=b.device) % 251 + 1
+    return int((b * w).sum())
+
+
+def fp8_checksums(model: Transformer) -> dict:
+    """name -> checksum of every FP8-held tensor (quantized bytes, then scales), named as the sender names them."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, FP8Linear):
+            out[f"{mod_name}.weight"] = checksum(mod.qweight) + checksum(mod.scale)
+        elif isinstance(mod, EngineExperts) and mod.fp8 is not None:
+            for leaf in ("w1", "w2", "w3"):
+                key = f"{mod_name}.{leaf}" if mod.group is None else \
+                    f"{mod_name}.{leaf}[{mod.expert_offset}:{mod.expert_offset + mod.n_local}]"
+                out[key] = checksum(getattr(mod, leaf)) + checksum(getattr(mod, "s" + leaf[1]))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,9 +448,9 @@ class SimpleSeq:
 
 class SimpleEngine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
-                 fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False):
+                 fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False, ep=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress)
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
 
@@ -804,12 +861,18 @@ class Engine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str = "fp32", max_seqs: int = 256, max_model_len: int = 4096,
                  block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None):
+        """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
+        on identical requests, each holding 1/size of the routed experts."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress)
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_seqs, self.max_model_len, self.max_batch_tokens = max_seqs, max_model_len, max_batch_tokens
         n_blocks = self._size_pools(num_blocks, block_entries, mem_fraction)
+        if ep is not None:  # identical schedules need identical pools: take the group's smallest
+            t = torch.tensor([n_blocks["csa"], n_blocks["hca"]], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep[0])
+            n_blocks = {"csa": int(t[0]), "hca": int(t[1])}
         self.cache = PagedCache(self.model, max_seqs, n_blocks, block_entries, max_model_len, device, dtype)
         self.runner = Runner(self.model, self.cache, cuda_graphs)
         self.stats = {"preemptions": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "prefill_s": 0.0,
@@ -970,14 +1033,29 @@ def _bytes(t: torch.Tensor, device) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
 
 
+_in_flight: list = []  # (work, buffers) of messages not yet received on the other side
+
+
 def send_msg(meta: dict, tensors: dict[str, torch.Tensor], dst: int, device, group=None):
+    """Non-blocking: both sides may be sending to each other (a rollout returning results while the driver
+    announces a weight sync), so sends are posted and their buffers kept until they complete."""
+    global _in_flight
+    _in_flight = [(w, b) for w, b in _in_flight if not w.is_completed()]
     spec = [[k, str(t.dtype), list(t.shape)] for k, t in tensors.items()]
     header = json.dumps({"meta": meta, "tensors": spec}).encode()
-    dist.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst, group=group)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst, group=group)
-    for t in tensors.values():
-        if t.numel():
-            dist.send(_bytes(t, device), dst, group=group)
+    bufs = [torch.tensor([len(header)], dtype=torch.int64, device=device),
+            torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
+    bufs += [_bytes(t, device) for t in tensors.values() if t.numel()]
+    for b in bufs:
+        _in_flight.append((dist.isend(b, dst, group=group), b))
+
+
+def flush_sends():
+    """Wait until every message this rank posted has been received."""
+    global _in_flight
+    for w, _ in _in_flight:
+        w.wait()
+    _in_flight = []
 
 
 def recv_msg(src: int, device, group=None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -995,6 +1073,10 @@ def recv_msg(src: int, device, group=None) -> tuple[dict, dict[str, torch.Tensor
             dist.recv(b, src, group=group)
         out[name] = b.view(dt).reshape(shape)
     return header["meta"], out
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty(0, dtype=_dtype(dtype_name)).element_size()
 
 
 def bucket_plan(spec: list, bucket_bytes: int) -> list[list[int]]:
@@ -1026,12 +1108,14 @@ def _pack_outputs(outs: list[Output]) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def serve(engine, driver: int, sync_group, device):
-    """Answer the driver (actor rank 0) until it says stop: generate, or receive new weights."""
+def serve(engine, driver: int, sync_group, device, reply: bool = True):
+    """Answer the driver (actor rank 0) until it says stop: generate, or receive new weights. reply=False on the
+    non-leading ranks of a rollout expert-parallel group: they run the same steps and stay silent."""
     while True:
         meta, t = recv_msg(driver, device)
         cmd = meta["cmd"]
         if cmd == "stop":
+            flush_sends()
             return
         if cmd == "generate":
             flat, lengths = t["tokens"].cpu().tolist(), meta["prompt_lengths"]
@@ -1041,50 +1125,83 @@ def serve(engine, driver: int, sync_group, device):
                 o += n
             params = [SamplingParams(**p) for p in meta["params"]]
             outs = engine.generate(prompts, params)
-            m, ts = _pack_outputs(outs)
-            send_msg(m, ts, driver, device)
+            if reply:
+                m, ts = _pack_outputs(outs)
+                send_msg(m, ts, driver, device)
         elif cmd == "sync":
             spec = meta["spec"]
-            for idx in bucket_plan(spec, meta["bucket_bytes"]):
-                sizes = [math.prod(spec[i][2]) * torch.empty(0, dtype=_dtype(spec[i][1])).element_size() for i in idx]
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-                dist.broadcast(buf, driver, group=sync_group)
-                o, named = 0, []
-                for i, nb in zip(idx, sizes):
-                    name, dt, shape = spec[i]
-                    named.append((name, buf[o:o + nb].clone().view(_dtype(dt)).reshape(shape)))
-                    o += nb
-                engine.update_weights(named)
+            plans = bucket_plan(spec, meta["bucket_bytes"])
+            sizes = [[math.prod(spec[i][2]) * _itemsize(spec[i][1]) for i in idx] for idx in plans]
+            # double-buffered: the next bucket is already arriving while this one is copied into the weights
+            pending = None
+            for k, idx in enumerate(plans + [None]):
+                nxt = None
+                if idx is not None:
+                    buf = torch.empty(sum(sizes[k]), dtype=torch.uint8, device=device)
+                    nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], sizes[k])
+                if pending is not None:
+                    pbuf, work, pidx, psizes = pending
+                    work.wait()
+                    o, named = 0, []
+                    for i, nb in zip(pidx, psizes):
+                        name, dt, shape = spec[i]
+                        named.append((name, pbuf[o:o + nb].clone().view(_dtype(dt)).reshape(shape)))
+                        o += nb
+                    engine.update_weights(named)
+                pending = nxt
+            if meta.get("verify"):
+                send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
         else:
             raise ValueError(f"rollout: unknown command {cmd!r}")
 
 
 class RolloutClient:
-    """The driver's handle on the rollout ranks: requests travel point to point, weights by broadcast."""
+    """The driver's handle on the rollout ranks: requests travel point to point, weights by broadcast.
 
-    def __init__(self, rollout_ranks: list[int], sync_group, device):
+    A rollout rank answers in the order it was asked, so every request that expects a reply takes a ticket in
+    that rank's queue, and collecting a reply first drains (and keeps) the replies queued before it: a
+    generation can stay outstanding while the driver trains, syncs weights or evaluates."""
+
+    def __init__(self, rollout_ranks: list[int], sync_group, device, ep: int = 1):
+        """ep > 1: consecutive groups of ep rollout ranks serve together (expert parallel); requests go to every
+        rank of a group and the first one answers."""
         self.ranks, self.sync_group, self.device = rollout_ranks, sync_group, device
+        self.groups = [rollout_ranks[i:i + ep] for i in range(0, len(rollout_ranks), ep)]
+        self.queue = {r: [] for r in rollout_ranks}   # tickets in reply order
+        self.replies: dict[int, tuple] = {}
+        self.next_ticket = 0
+
+    def _expect(self, rank: int) -> int:
+        self.next_ticket += 1
+        self.queue[rank].append(self.next_ticket)
+        return self.next_ticket
+
+    def _reply(self, rank: int, ticket: int):
+        while ticket not in self.replies:
+            self.replies[self.queue[rank].pop(0)] = recv_msg(rank, self.device)
+        return self.replies.pop(ticket)
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], group_size: int = 1):
         """Send prompts (whole groups of `group_size` kept together) to the rollout ranks; returns a handle."""
         n_groups = len(prompts) // group_size
-        per = -(-n_groups // len(self.ranks))
+        per = -(-n_groups // len(self.groups))
         handle = []
-        for j, r in enumerate(self.ranks):
+        for j, ranks in enumerate(self.groups):
             a, b = j * per * group_size, min(len(prompts), (j + 1) * per * group_size)
             if a >= b:
                 continue
             meta = {"cmd": "generate", "prompt_lengths": [len(p) for p in prompts[a:b]],
                     "params": [asdict(p) for p in params[a:b]]}
-            send_msg(meta, {"tokens": torch.tensor([t for p in prompts[a:b] for t in p], dtype=torch.int64)},
-                     r, self.device)
-            handle.append((r, prompts[a:b]))
+            tokens = torch.tensor([t for p in prompts[a:b] for t in p], dtype=torch.int64)
+            for r in ranks:
+                send_msg(meta, {"tokens": tokens}, r, self.device)
+            handle.append((ranks[0], self._expect(ranks[0]), prompts[a:b]))
         return handle
 
     def collect(self, handle) -> list[Output]:
         outs = []
-        for r, prompts in handle:
-            meta, t = recv_msg(r, self.device)
+        for r, ticket, prompts in handle:
+            meta, t = self._reply(r, ticket)
             tok, lp, rt = t["tokens"].cpu().tolist(), t["logprobs"].cpu().tolist(), t["routing"].cpu()
             o = ro = 0
             for p, n, nr, fin in zip(prompts, meta["lengths"], meta["routing_lengths"], meta["finish"]):
@@ -1095,14 +1212,18 @@ class RolloutClient:
     def generate(self, prompts, params, group_size: int = 1) -> list[Output]:
         return self.collect(self.submit(prompts, params, group_size))
 
-    def sync_weights(self, spec: list, tensors, bucket_bytes: int) -> int:
+    def sync_weights(self, spec: list, tensors, bucket_bytes: int, verify: dict | None = None) -> int:
         """Broadcast tensors (an iterator in `spec` order: [name, dtype, shape]) to every rollout rank in buckets
-        of at most bucket_bytes; returns the bytes each receiver got. The iterator is consumed bucket by bucket,
-        so a sharded actor can gather the next tensors while this one goes out."""
+        of at most bucket_bytes; returns the bytes each receiver got. Double-buffered: the next bucket is gathered
+        and packed while the previous one is on the wire. verify: {name: expected checksum} of the FP8 weights the
+        rollout should hold afterwards; a mismatch raises."""
+        tickets = {}
         for r in self.ranks:
-            send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes}, {}, r, self.device)
-        total = 0
-        it = iter(tensors)
+            send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes, "verify": verify is not None}, {},
+                     r, self.device)
+            if verify is not None:
+                tickets[r] = self._expect(r)
+        total, it, inflight = 0, iter(tensors), []
         for idx in bucket_plan(spec, bucket_bytes):
             parts = []
             for i in idx:
@@ -1112,13 +1233,25 @@ class RolloutClient:
                                      f"{spec[i][1]} {spec[i][2]}")
                 parts.append(_bytes(t, self.device))
             buf = torch.cat(parts)
-            dist.broadcast(buf, dist.get_rank(), group=self.sync_group)
+            inflight.append((buf, dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True)))
             total += buf.numel()
+            if len(inflight) == 2:  # two buffers: wait for the older before packing a third
+                inflight.pop(0)[1].wait()
+        for _, work in inflight:
+            work.wait()
+        if verify is not None:
+            for r in self.ranks:
+                got = self._reply(r, tickets[r])[0]["checksums"]
+                bad = [n for n, c in got.items() if verify.get(n) != c]
+                if bad:
+                    raise RuntimeError(f"weight sync verification: rollout rank {r} holds different FP8 weights for "
+                                       f"{len(bad)} tensors, first {bad[:3]}")
         return total
 
     def stop(self):
         for r in self.ranks:
             send_msg({"cmd": "stop"}, {}, r, self.device)
+        flush_sends()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,12 +59,14 @@ from tqdm import tqdm
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
 from model.model import Transformer, compile_fusions
-from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, local, make_actor_groups,
-                            shard_actor, use_expert_parallel)
+from model.parallel import (AdamW, EPExperts, clip_grad_norm, copy_full_state, full_state, local,
+                            make_actor_groups, shard_actor, use_expert_parallel)
 from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
-from rollout_server import Engine, RolloutClient, SamplingParams, SimpleEngine, serve
+from kernels.quant import fp8_dtype, quant_fp8_block
+from rollout_server import (FP8_SCALE, Engine, RolloutClient, SamplingParams, SimpleEngine, checksum, is_fp8_held,
+                            serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -136,6 +139,7 @@ class TrainConfig:
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2
     routing_replay: str = "R3"        # off | R2 (the actor's own routing from the pi_old pass) | R3 (the rollout's)
+    off_policy_steps: int = 0         # 1: the next step's rollouts are generated while this step trains
     dtype: str = "fp32"               # compute dtype (FSDP2 param_dtype); master weights and grads are fp32
     ep: int = 1                       # expert-parallel degree over the actor ranks
     optimizer_offload: bool = False   # AdamW moments in host memory, streamed through the GPU per parameter
@@ -152,6 +156,8 @@ class TrainConfig:
             raise ConfigError("group_size: GRPO needs at least 2 samples per prompt")
         if self.loss_agg not in self.LOSS_AGGS:
             raise ConfigError(f"loss_agg: must be one of {self.LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.off_policy_steps not in (0, 1):
+            raise ConfigError(f"off_policy_steps: must be 0 or 1, got {self.off_policy_steps}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ConfigError(f"lr_schedule: must be constant or cosine, got {self.lr_schedule!r}")
         if self.routing_replay not in ("off", "R2", "R3"):
@@ -179,6 +185,8 @@ class RolloutConfig:
     top_k: int = 0
     max_tokens: int = 8
     sync_bucket_mb: float = 64.0
+    sync_fp8: bool = True             # quantize on the actor: FP8 bytes + block scales cross the link (with fp8)
+    sync_verify: bool = False         # after each sync, compare checksums of the rollout's FP8 weights
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -262,6 +270,9 @@ class RunConfig:
         if n_actor % self.train.ep or self.model.n_routed_experts % self.train.ep:
             raise ConfigError(f"train.ep: {self.train.ep} must divide the actor ranks ({n_actor}) and "
                               f"model.n_routed_experts ({self.model.n_routed_experts})")
+        if self.deploy.rollout_ranks % self.rollout.ep or self.model.n_routed_experts % self.rollout.ep:
+            raise ConfigError(f"rollout.ep: {self.rollout.ep} must divide deploy.rollout_ranks "
+                              f"({self.deploy.rollout_ranks}) and model.n_routed_experts ({self.model.n_routed_experts})")
         total = self.train.prompts_per_step * self.train.group_size
         if total % (n_actor * self.train.minibatches):
             raise ConfigError(f"train.prompts_per_step x train.group_size = {total} sequences must split evenly "
@@ -330,6 +341,7 @@ class Dist:
     device: torch.device
     mesh: object          # model.parallel.ActorMesh on actor ranks, None on rollout ranks
     sync_group: object
+    rollout_ep: object = None  # (group, size, rank) on rollout ranks under rollout expert parallelism
 
     @property
     def is_actor(self):
@@ -365,7 +377,31 @@ def init_dist(cfg: RunConfig) -> Dist:
     n_actor = world - cfg.deploy.rollout_ranks
     mesh = make_actor_groups(n_actor, cfg.train.ep, device.type)  # collective: every rank creates the groups
     sync_group = dist.new_group([0] + list(range(n_actor, world)))
-    return Dist(rank, world, n_actor, device, mesh, sync_group)
+    ep = cfg.rollout.ep
+    ep_groups = [dist.new_group(list(range(i, i + ep))) for i in range(n_actor, world, ep)] if ep > 1 else []
+    rollout_ep = None
+    if ep > 1 and rank >= n_actor:
+        rollout_ep = (ep_groups[(rank - n_actor) // ep], ep, (rank - n_actor) % ep)
+    check_placement(rank, world, n_actor, device)
+    return Dist(rank, world, n_actor, device, mesh, sync_group, rollout_ep)
+
+
+def check_placement(rank: int, world: int, n_actor: int, device):
+    """On a multi-host run the rollout ranks must have a host of their own (its memory is for the KV cache);
+    say so on rank 0 when they share one with actor ranks."""
+    name = torch.zeros(64, dtype=torch.uint8)
+    host = f"{os.environ.get('GROUP_RANK', '0')}:{socket.gethostname()}".encode()[:64]
+    name[:len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
+    names = [torch.zeros_like(name).to(device) for _ in range(world)]
+    dist.all_gather(names, name.to(device))
+    nodes, hosts = zip(*(n.cpu().numpy().tobytes().rstrip(b"\0").decode().split(":", 1) for n in names))
+    if rank == 0:
+        print(f"roles: actor ranks 0-{n_actor - 1} on nodes {sorted(set(nodes[:n_actor]))}, rollout ranks "
+              f"{n_actor}-{world - 1} on nodes {sorted(set(nodes[n_actor:]))}", flush=True)
+    actor_hosts, rollout_hosts = set(hosts[:n_actor]), set(hosts[n_actor:])
+    if rank == 0 and len(set(hosts)) > 1 and actor_hosts & rollout_hosts:
+        print(f"warning: rollout ranks share hosts {sorted(actor_hosts & rollout_hosts)} with actor ranks; launch with "
+              f"fixed node ranks (launch/torchrun_3node.sh) so the last node holds only rollout ranks", flush=True)
 
 
 def bcast_batch(batch: dict | None, d: Dist) -> dict:
@@ -427,18 +463,32 @@ def completion_text(tok, out) -> str:
     return tok.decode(ids)
 
 
-def collect_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient):
-    """Generate, score and (with dynamic sampling) refill; returns the kept groups and rollout statistics."""
+def start_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, version: int):
+    """Submit a step's first rollout round; returns what finish_rollouts needs."""
+    G = cfg.train.group_size
+    items = task.batch(cfg.train.prompts_per_step)
+    prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
+    seed = cfg.seed * 1_000_003 + step * 101
+    return items, client.submit(prompts, sampling(cfg, seed, len(prompts)), group_size=G), version
+
+
+def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, started, version: int):
+    """Collect, score and (with dynamic sampling) refill a step's groups. Returns the groups, rollout statistics
+    and each group's generation version (the actor version whose weights the rollout held)."""
     G, P = cfg.train.group_size, cfg.train.prompts_per_step
     kept, dropped, stats = [], [], {"gen_tokens": 0, "reward_sum": 0.0, "correct": 0, "samples": 0, "rounds": 0}
+    items, handle, first_version = started
     for rnd in range(1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)):
-        need = P - len(kept)
-        if need <= 0:
-            break
-        items = task.batch(P if rnd == 0 else need)
-        prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
-        seed = cfg.seed * 1_000_003 + step * 101 + rnd
-        outs = client.generate(prompts, sampling(cfg, seed, len(prompts)), group_size=G)
+        if rnd > 0:
+            need = P - len(kept)
+            if need <= 0:
+                break
+            items = task.batch(need)
+            prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
+            handle = client.submit(prompts, sampling(cfg, cfg.seed * 1_000_003 + step * 101 + rnd, len(prompts)),
+                                   group_size=G)
+        outs = client.collect(handle)
+        gen_version = first_version if rnd == 0 else version
         stats["rounds"] += 1
         for j, it in enumerate(items):
             grp = outs[j * G:(j + 1) * G]
@@ -449,11 +499,11 @@ def collect_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient
                 stats["correct"] += sum(task.correct(t, it.answer) for t in texts)
                 stats["samples"] += G
             stats["gen_tokens"] += sum(len(o.token_ids) for o in grp)
-            group = (grp, rewards)
+            group = (grp, rewards, gen_version)
             (kept if (max(rewards) > min(rewards) or not cfg.train.dynamic_sampling) else dropped).append(group)
     stats["groups_kept"] = min(len(kept), P)
     groups = (kept + dropped)[:P]
-    return groups, stats
+    return [(g, r) for g, r, _ in groups], stats, [v for _, _, v in groups]
 
 
 def make_batch(groups, cfg: RunConfig, pad_id: int, n_layers: int, top_k: int) -> dict:
@@ -629,22 +679,52 @@ class Actor:
             out["routing_mismatch"] = r["replay_diff"] / r["replay_total"]
         return out
 
-    def weight_spec(self, dtype) -> list:
-        """[name, dtype, full shape] of every tensor the rollout needs, in full_state order."""
-        experts = {n for n, m in self.model.named_modules() if type(m).__name__ == "EPExperts"}
+    def sync_format(self):
+        """(dtype for tensors sent as is, FP8 dtype for FP8-held tensors or None)."""
+        r = self.cfg.rollout
+        return DTYPES[r.dtype], (fp8_dtype(self.d.device) if r.fp8 and r.sync_fp8 else None)
+
+    def weight_spec(self, dtype, fp8=None) -> list:
+        """[name, dtype, full shape] of every tensor the rollout needs, in full_weights order. With fp8, the
+        tensors the rollout holds in FP8 travel quantized, each followed by its 128x128 block scales."""
+        experts = {n for n, m in self.model.named_modules() if isinstance(m, EPExperts)}
         spec = []
         for name, t in self.model.state_dict().items():
             shape = list(t.shape)
             if name.rpartition(".")[0] in experts:
                 shape[0] *= self.d.mesh.ep
+            if fp8 is not None and is_fp8_held(name):
+                spec.append([name, str(fp8), shape])
+                spec.append([name + FP8_SCALE, str(torch.float32), shape[:-2] + [-(-shape[-2] // 128), -(-shape[-1] // 128)]])
+                continue
             dt = t.dtype if not t.is_floating_point() or Transformer.keeps_fp32(name) else dtype
             spec.append([name, str(dt), shape])
         return spec
 
-    def full_weights(self, dtype):
-        """Collective over the actor ranks: full tensors in weight_spec order, cast for the rollout."""
+    def full_weights(self, dtype, fp8=None, checksums: dict | None = None):
+        """Collective over the actor ranks: the tensors of weight_spec(dtype, fp8), in order. checksums, if given,
+        collects the FP8 bytes and scales each rollout rank must end up with (for sync verification): per tensor,
+        or under rollout expert parallelism per expert slice, keyed 'name[a:b]'."""
         for name, t in full_state(self.model, self.d.mesh):
-            yield t if not t.is_floating_point() or Transformer.keeps_fp32(name) else t.to(dtype)
+            quantized = fp8 is not None and is_fp8_held(name)
+            out = t if quantized or not t.is_floating_point() or Transformer.keeps_fp32(name) else t.to(dtype)
+            q = sc = None
+            if quantized or (checksums is not None and is_fp8_held(name)):  # the rollout quantizes on arrival
+                q, sc = quant_fp8_block(out, fp8 if quantized else fp8_dtype(self.d.device), 128, "fp32")
+            if checksums is not None and q is not None:
+                ep = self.cfg.rollout.ep
+                if ep > 1 and ".ffn.experts." in name:
+                    n = q.shape[0] // ep
+                    for j in range(ep):
+                        checksums[f"{name}[{j * n}:{(j + 1) * n}]"] = checksum(q[j * n:(j + 1) * n]) + \
+                            checksum(sc[j * n:(j + 1) * n])
+                else:
+                    checksums[name] = checksum(q) + checksum(sc)
+            if quantized:
+                yield q
+                yield sc
+            else:
+                yield out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -778,7 +858,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    client = RolloutClient(d.rollout_ranks, d.sync_group, d.device)
+    client = RolloutClient(d.rollout_ranks, d.sync_group, d.device, cfg.rollout.ep)
     bucket = int(cfg.rollout.sync_bucket_mb * 2 ** 20)
     start = _agree_start(actor, task, out, resume, d)
     if start == 0:
@@ -788,25 +868,35 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
         keep = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
         metrics_path.write_text("".join(ln + "\n" for ln in keep))
         print(f"resumed from step {start}")
-    rdtype = DTYPES[cfg.rollout.dtype]
-    spec = actor.weight_spec(rdtype)
-    _send_cmd(d, "sync", start)
-    client.sync_weights(spec, actor.full_weights(rdtype), bucket)
+    rdtype, fp8 = actor.sync_format()
+    spec = actor.weight_spec(rdtype, fp8)
+
+    def sync(step):
+        _send_cmd(d, "sync", step)
+        sums = {} if cfg.rollout.sync_verify else None
+        return client.sync_weights(spec, actor.full_weights(rdtype, fp8, sums), bucket, sums)
+    sync(start)
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
     bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
                dynamic_ncols=True)
+    version = start     # the actor version the rollout holds: optimizer steps taken = train steps done
+    pending = None      # off_policy_steps=1: the next step's first round, submitted before this step trains
     try:
         for step in bar:
             t0 = time.perf_counter()
-            groups, rs = collect_rollouts(cfg, step, task, tok, client)
+            started = pending or start_rollouts(cfg, step, task, tok, client, version)
+            groups, rs, versions = finish_rollouts(cfg, step, task, tok, client, started, version)
+            pending = None
+            if cfg.train.off_policy_steps and step < cfg.train.steps:
+                pending = start_rollouts(cfg, step + 1, task, tok, client, version)
             batch = make_batch(groups, cfg, tok.pad_id, n_layers, top_k)
             t1 = time.perf_counter()
             _send_cmd(d, "train", step)
             bcast_batch(batch, d)
             ts = actor.train_step(batch, step)
             t2 = time.perf_counter()
-            _send_cmd(d, "sync", step)
-            sent = client.sync_weights(spec, actor.full_weights(rdtype), bucket)
+            sent = sync(step)
+            version = step
             t3 = time.perf_counter()
             m = {"step": step, "reward_mean": rs["reward_sum"] / rs["samples"], "accuracy": rs["correct"] / rs["samples"],
                  **{k: ts[k] for k in ("loss", "entropy", "clip_frac", "tis_trunc_frac", "mismatch_kl",
@@ -814,6 +904,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
                     if k in ts},
                  "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
                  "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
+                 "staleness": float(np.mean([step - 1 - v for v in versions])),
                  "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
                  "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
                  "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
@@ -890,25 +981,25 @@ def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task, resume: str):
         elif code == CMDS["ckpt"]:
             save_checkpoint(actor, step, task, out, cfg)
         elif code == CMDS["sync"]:  # the driver broadcasts what the actor ranks gather together
-            for _ in actor.full_weights(DTYPES[cfg.rollout.dtype]):
+            for _ in actor.full_weights(*actor.sync_format()):
                 pass
         elif code == CMDS["export"]:
             export(actor, None)
 
 
-def make_engine(cfg: RunConfig, model, device):
+def make_engine(cfg: RunConfig, model, device, ep=None):
     r = cfg.rollout
     if r.engine == "simple":
-        return SimpleEngine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device)
+        return SimpleEngine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device, ep=ep)
     return Engine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device, max_seqs=r.max_seqs,
-                  max_model_len=r.max_model_len, mem_fraction=r.mem_fraction, cuda_graphs=r.cuda_graphs)
+                  max_model_len=r.max_model_len, mem_fraction=r.mem_fraction, cuda_graphs=r.cuda_graphs, ep=ep)
 
 
 def run_rollout(cfg: RunConfig, d: Dist):
     model = build_model(cfg.model, d.device, DTYPES[cfg.rollout.dtype], seed=None)  # weights arrive by broadcast
-    engine = make_engine(cfg, model, d.device)
+    engine = make_engine(cfg, model, d.device, d.rollout_ep)
     del model
-    serve(engine, 0, d.sync_group, d.device)
+    serve(engine, 0, d.sync_group, d.device, reply=d.rollout_ep is None or d.rollout_ep[2] == 0)
 
 
 def main(argv=None):

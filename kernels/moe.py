@@ -23,7 +23,14 @@ BLOCK_M = 16
 
 def moe_align(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     """ids (T, k) -> sorted_slots (nb * block_m,) slot ids grouped by expert, padded with T*k;
-    block_expert (nb,) expert of each row block or -1; nb = ceil(T*k / block_m) + n_experts (a static bound)."""
+    block_expert (nb,) expert of each row block or -1; nb = ceil(T*k / block_m) + n_experts (a static bound).
+    An id equal to n_experts means "not here" (another rank's expert): its blocks are marked -1 and skipped."""
+    n_experts = n_experts + 1
+    sorted_slots, block_expert = _align(ids, n_experts, block_m)
+    return sorted_slots, torch.where(block_expert == n_experts - 1, torch.full_like(block_expert, -1), block_expert)
+
+
+def _align(ids: torch.Tensor, n_experts: int, block_m: int):
     flat = ids.reshape(-1)
     S = flat.numel()
     nb = -(-S // block_m) + n_experts
@@ -63,6 +70,8 @@ def fused_moe_ref(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit:
     out = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     for e in flat.unique().tolist():
+        if e >= w1.shape[0]:  # "not here": another rank's expert
+            continue
         slots = (flat == e).nonzero()[:, 0]
         xe = x[slots // k]
         h = swiglu(_linear(xe, w1[e], None if s1 is None else s1[e]).float(),

@@ -17,8 +17,8 @@ SMALL = ["train.prompts_per_step=4", "train.group_size=4", "train.minibatches=2"
 TIMING = ("time_", "_per_s", "sync_gb_s")
 
 
-def launch(out: Path, steps: int, extra=(), resume: str = ""):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "train_grpo.py",
+def launch(out: Path, steps: int, extra=(), resume: str = "", nproc: int = 3):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train_grpo.py",
            "--config", "configs/tiny.yaml", f"out_dir={out}", f"train.steps={steps}", *SMALL, *extra]
     if resume:
         cmd += ["--resume", resume]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, each bounded in time, logs under $OUT (default bench/out). Parts by name:
+#   bash bench/gpu_suite.sh tests rollout train sync grpo
+set -u
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+for part in "$@"; do
+  case $part in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
+      tail -3 "$OUT/gpu_tests.log" ;;
+    rollout)
+      timeout 300 python3 bench/rollout.py --gen-len 256 --bf16-batches 64 --long-gen 32 --hf-tokens 8 \
+        --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
+      grep -E "^fp8|^bf16|^long|^transformers" "$OUT/rollout.log" ;;
+    train)
+      timeout 240 torchrun --standalone --nproc-per-node 1 bench/train.py --compile --json "$OUT/train1_compile.json" 2>&1 | grep -E "MFU|Error"
+      timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --compile --ckpt --json "$OUT/train1_compile_ckpt.json" 2>&1 | grep -E "MFU|Error"
+      [ "$NGPU" -ge 2 ] && timeout 240 torchrun --standalone --nproc-per-node 2 bench/train.py --compile --json "$OUT/train2_compile.json" 2>&1 | grep -E "MFU|Error" ;;
+    sync)
+      timeout 240 torchrun --standalone --nproc-per-node 2 bench/sync.py --json "$OUT/sync.json" > "$OUT/sync.log" 2>&1
+      grep -E "^sync|^DeepSeek|Error" "$OUT/sync.log" ;;
+    grpo)
+      for op in 0 1; do
+        timeout 280 torchrun --standalone --nproc-per-node 2 train_grpo.py --config configs/mini.yaml out_dir="$OUT/grpo$op" \
+          train.steps=4 train.off_policy_steps=$op train.prompts_per_step=32 rollout.max_tokens=256 \
+          train.dynamic_sampling=false eval.every=0 ckpt.every=0 ckpt.export_final=false > "$OUT/grpo$op.log" 2>&1
+        python3 -c "import json,sys; [print($op, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in json.loads(l).items() if k in ('step','time_rollout_s','time_train_s','time_sync_s','sync_gb_s','staleness','reward_mean','mismatch_kl','routing_mismatch')})) for l in open('$OUT/grpo$op/metrics.jsonl')]" 2>&1 || tail -5 "$OUT/grpo$op.log"
+      done ;;
+  esac
+done
