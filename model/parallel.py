@@ -116,7 +116,8 @@ def shard_actor(model: Transformer, mesh: ActorMesh, param_dtype: torch.dtype, r
     """fully_shard the experts over the expert-DP group, every block and the root over the actor ranks."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     dense, expert = mesh.meshes()
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # the model keeps its own dtypes (fp32 RoPE tables, mHC, router): FSDP must not cast block inputs to bf16
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in model.layers:
         fully_shard(layer.ffn.experts, mesh=expert, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(layer, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)

