@@ -74,7 +74,11 @@ class Rope(nn.Module):
     def __init__(self, rope_dim: int, theta: float, yarn: dict | None):
         super().__init__()
         self.rope_dim, self.theta, self.yarn = rope_dim, theta, yarn
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+        # on meta only the shape (Transformer.reset_buffers fills it after to_empty; computing it here would go
+        # through torch._refs, whose first use imports torch._dynamo: seconds per process)
+        meta = torch.empty(0).is_meta
+        self.register_buffer("inv_freq", torch.empty(rope_dim // 2) if meta else self.compute_inv_freq(),
+                             persistent=False)
 
     def compute_inv_freq(self, device=None):
         d, base = self.rope_dim, self.theta
@@ -128,6 +132,16 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self):
+        if not self.weight.is_meta:  # nothing to fill on meta (and the fill would import torch._dynamo: seconds)
+            super().reset_parameters()
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self):
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -581,7 +595,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, n = cfg.hidden_size, cfg.hc_mult
-        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.embed = Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = Linear(D, cfg.vocab_size)
