@@ -28,23 +28,26 @@ import argparse
 import copy
 import json
 import math
+import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import decode_attention, index_scores
 from kernels.fp8_gemm import fp8_linear
 from kernels.moe import fused_moe
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
-from model.model import Experts, Linear, Transformer, apply_rope, attend, hc_post
+from model.model import Experts, Linear, Transformer, attend, hc_post
 from model.weights import FP8_LINEAR, load_pretrained
 
 
@@ -1029,6 +1032,94 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+# ---------------------------------------------------------------------------------------------------------
+# failure handling: every blocking wait of the trainer and the rollout ranks runs inside a named phase; the
+# watchdog ends a rank that makes no progress in one phase for deploy.timeout_s, naming the rank, the phase and
+# the peers it waits on, instead of hanging until a backend timeout (or forever). Fault injection (GRPO_FAULT)
+# lets the recovery tests kill or freeze a rank at a chosen point.
+
+
+class Watchdog:
+    def __init__(self):
+        self.rank, self.timeout = None, None
+        self.name, self.peer, self.since, self.patience = "start-up", "", time.monotonic(), 1.0
+        self.trace = os.environ.get("GRPO_PHASE_DIR")  # the recovery harness reads where a rank was when killed
+
+    def start(self, rank: int, timeout_s: float):
+        self.rank, self.timeout, self.since = rank, timeout_s, time.monotonic()
+        threading.Thread(target=self._run, daemon=True, name="watchdog").start()
+
+    @contextmanager
+    def phase(self, name: str, peer: str = "", idle: bool = False):
+        """idle: waiting for work from a peer that may itself be waiting (a follower for the driver, a rollout
+        rank for a request): twice the patience, so the rank whose peer is actually stuck speaks first."""
+        prev = self.name, self.peer, self.patience
+        self.name, self.peer, self.since, self.patience = name, peer, time.monotonic(), 2.0 if idle else 1.0
+        self._trace()
+        try:
+            yield
+        finally:  # back in the enclosing phase, which has just made progress
+            (self.name, self.peer, self.patience), self.since = prev, time.monotonic()
+            self._trace()
+
+    def _trace(self):
+        if self.trace:
+            name = f"rank{os.environ.get('RANK', '0')}.phase"
+            with open(os.path.join(self.trace, "." + name), "w") as f:
+                f.write(self.name)
+            os.replace(os.path.join(self.trace, "." + name), os.path.join(self.trace, name))
+
+    def where(self) -> str:
+        return f"rank {self.rank}: during {self.name}" + (f" (waiting on {self.peer})" if self.peer else "")
+
+    def _run(self):
+        while True:
+            time.sleep(min(1.0, self.timeout / 10))
+            idle = time.monotonic() - self.since
+            if idle > self.timeout * self.patience:
+                sys.stdout.flush()
+                sys.stderr.write(f"{self.where()}: no progress for {idle:.0f} s (deploy.timeout_s={self.timeout:g}): "
+                                 f"a peer died or stopped answering; exiting\n")
+                sys.stderr.flush()
+                os._exit(124)
+
+
+WATCHDOG = Watchdog()
+phase = WATCHDOG.phase
+_fault_hits: dict[str, int] = {}
+
+
+def fault_point(name: str) -> bool:
+    """Fault injection for the recovery tests. GRPO_FAULT="RANK:POINT:N[:ACTION][,...]": the N-th time rank RANK
+    passes fault point POINT it kills itself (ACTION kill, the default: SIGKILL), freezes (hang: SIGSTOP), or
+    gets True back (nan: the caller poisons its loss). Only on a run's first attempt, so a torchrun restart
+    resumes cleanly. Points: generate, sync (rollout and driver, mid weight sync), train (mid step), ckpt (shard
+    written, checkpoint not yet complete), loss."""
+    spec = os.environ.get("GRPO_FAULT", "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    rank = int(os.environ.get("RANK", "-1"))
+    _fault_hits[name] = hits = _fault_hits.get(name, 0) + 1
+    for one in spec.split(","):
+        parts = one.split(":")
+        if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[2].isdigit() or \
+                (len(parts) == 4 and parts[3] not in ("kill", "hang", "nan")):
+            raise ValueError(f"GRPO_FAULT: {one!r} is not RANK:POINT:N[:kill|hang|nan]")
+        if int(parts[0]) != rank or parts[1] != name or int(parts[2]) != hits:
+            continue
+        action = parts[3] if len(parts) == 4 else "kill"
+        if action == "nan":
+            return True
+        print(f"GRPO_FAULT: rank {rank} {action} at {name} #{hits}", flush=True)
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# messages between the driver and the rollout ranks
+
+
 def _bytes(t: torch.Tensor, device) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
 
@@ -1112,10 +1203,12 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
     """Answer the driver (actor rank 0) until it says stop: generate, or receive new weights. reply=False on the
     non-leading ranks of a rollout expert-parallel group: they run the same steps and stay silent."""
     while True:
-        meta, t = recv_msg(driver, device)
+        with phase("waiting for a request", f"rank {driver}, the driver", idle=True):
+            meta, t = recv_msg(driver, device)
         cmd = meta["cmd"]
         if cmd == "stop":
-            flush_sends()
+            with phase("stopping", f"rank {driver}, the driver"):
+                flush_sends()
             return
         if cmd == "generate":
             flat, lengths = t["tokens"].cpu().tolist(), meta["prompt_lengths"]
@@ -1124,35 +1217,45 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
                 prompts.append(flat[o:o + n])
                 o += n
             params = [SamplingParams(**p) for p in meta["params"]]
-            outs = engine.generate(prompts, params)
+            fault_point("generate")
+            with phase(f"generation ({len(prompts)} prompts)"):
+                outs = engine.generate(prompts, params)
             if reply:
                 m, ts = _pack_outputs(outs)
                 send_msg(m, ts, driver, device)
         elif cmd == "sync":
-            spec = meta["spec"]
-            plans = bucket_plan(spec, meta["bucket_bytes"])
-            sizes = [[math.prod(spec[i][2]) * _itemsize(spec[i][1]) for i in idx] for idx in plans]
-            # double-buffered: the next bucket is already arriving while this one is copied into the weights
-            pending = None
-            for k, idx in enumerate(plans + [None]):
-                nxt = None
-                if idx is not None:
-                    buf = torch.empty(sum(sizes[k]), dtype=torch.uint8, device=device)
-                    nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], sizes[k])
-                if pending is not None:
-                    pbuf, work, pidx, psizes = pending
-                    work.wait()
-                    o, named = 0, []
-                    for i, nb in zip(pidx, psizes):
-                        name, dt, shape = spec[i]
-                        named.append((name, pbuf[o:o + nb].clone().view(_dtype(dt)).reshape(shape)))
-                        o += nb
-                    engine.update_weights(named)
-                pending = nxt
-            if meta.get("verify"):
-                send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
+            with phase("weight sync", f"rank {driver}, the driver"):
+                _receive_weights(engine, meta, driver, sync_group, device)
         else:
             raise ValueError(f"rollout: unknown command {cmd!r}")
+
+
+def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
+    """One weight sync on a rollout rank: the buckets the driver broadcasts, copied into the engine's weights."""
+    spec = meta["spec"]
+    plans = bucket_plan(spec, meta["bucket_bytes"])
+    sizes = [[math.prod(spec[i][2]) * _itemsize(spec[i][1]) for i in idx] for idx in plans]
+    # double-buffered: the next bucket is already arriving while this one is copied into the weights
+    pending = None
+    for k, idx in enumerate(plans + [None]):
+        nxt = None
+        if idx is not None:
+            buf = torch.empty(sum(sizes[k]), dtype=torch.uint8, device=device)
+            nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], sizes[k])
+        if pending is not None:
+            pbuf, work, pidx, psizes = pending
+            work.wait()
+            o, named = 0, []
+            for i, nb in zip(pidx, psizes):
+                name, dt, shape = spec[i]
+                named.append((name, pbuf[o:o + nb].clone().view(_dtype(dt)).reshape(shape)))
+                o += nb
+            engine.update_weights(named)
+            if k == 1:
+                fault_point("sync")
+        pending = nxt
+    if meta.get("verify"):
+        send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
 
 
 class RolloutClient:
@@ -1178,7 +1281,8 @@ class RolloutClient:
 
     def _reply(self, rank: int, ticket: int):
         while ticket not in self.replies:
-            self.replies[self.queue[rank].pop(0)] = recv_msg(rank, self.device)
+            with phase("a rollout request", f"rollout rank {rank}"):
+                self.replies[self.queue[rank].pop(0)] = recv_msg(rank, self.device)
         return self.replies.pop(ticket)
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], group_size: int = 1):
@@ -1236,9 +1340,12 @@ class RolloutClient:
             inflight.append((buf, dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True)))
             total += buf.numel()
             if len(inflight) == 2:  # two buffers: wait for the older before packing a third
-                inflight.pop(0)[1].wait()
-        for _, work in inflight:
-            work.wait()
+                with phase("weight sync", f"rollout ranks {self.ranks}"):
+                    inflight.pop(0)[1].wait()
+                fault_point("sync")
+        with phase("weight sync", f"rollout ranks {self.ranks}"):
+            for _, work in inflight:
+                work.wait()
         if verify is not None:
             for r in self.ranks:
                 got = self._reply(r, tickets[r])[0]["checksums"]
@@ -1251,7 +1358,8 @@ class RolloutClient:
     def stop(self):
         for r in self.ranks:
             send_msg({"cmd": "stop"}, {}, r, self.device)
-        flush_sends()
+        with phase("stopping the rollout ranks", f"rollout ranks {self.ranks}"):
+            flush_sends()
 
 
 # ---------------------------------------------------------------------------------------------------------

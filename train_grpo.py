@@ -33,6 +33,13 @@ The algorithm, every choice named (defaults in TrainConfig):
     engine picked (gate weights still come from the actor's scores, so the router learns).
   * Logged mismatch between the rollout and the actor: mismatch_kl = mean k3 estimate of KL(mu || pi_old)
     over completion tokens, and mean |log mu - log pi_old|.
+  * A mini-batch whose loss or global gradient norm is NaN/Inf is not stepped on (nonfinite_updates in the
+    metrics); train.max_nonfinite_steps such steps in a row stop the run with an error.
+
+Failure handling: checkpoints are complete or absent (per-rank shards written into a temporary directory that
+is renamed once every shard and meta.json are on disk); `--resume auto` continues from the newest one with the
+same metrics as an uninterrupted run; every blocking wait runs in a named phase and a rank that makes no progress
+in one for deploy.timeout_s exits naming itself, the phase and the peers it waits on (rollout_server.WATCHDOG).
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ import shutil
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -53,6 +61,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -65,11 +74,17 @@ from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.quant import fp8_dtype, quant_fp8_block
-from rollout_server import (FP8_SCALE, Engine, RolloutClient, SamplingParams, SimpleEngine, checksum, is_fp8_held,
-                            serve)
+from rollout_server import (FP8_SCALE, WATCHDOG, Engine, RolloutClient, SamplingParams, SimpleEngine, checksum,
+                            fault_point, is_fp8_held, phase, serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
+
+
+def _need(obj, key: str, ok: bool, what: str):
+    """A range check that names the key: `key: must be <what>, got <value>`."""
+    if not ok:
+        raise ConfigError(f"{key}: must be {what}, got {getattr(obj, key)!r}")
 
 
 @dataclass
@@ -80,14 +95,16 @@ class DeployConfig:
     gpu_memory_gb: float = 80.0       # per GPU, for the memory planner
     host_memory_gb: float = 1024.0    # per node, for the memory planner
     backend: str = "auto"             # auto = nccl when CUDA is available, else gloo
-    timeout_s: float = 1800.0
+    timeout_s: float = 1800.0         # a rank that makes no progress in one phase for this long exits, naming it
     cpu_threads: int = 0              # torch threads per rank on CPU; 0 = cores / local ranks
 
     def __post_init__(self):
-        if self.rollout_ranks < 1:
-            raise ConfigError("rollout_ranks: need at least one rollout rank")
-        if self.world_size < 0 or self.gpus_per_node < 1 or self.gpu_memory_gb <= 0 or self.host_memory_gb <= 0:
-            raise ConfigError("world_size/gpus_per_node/gpu_memory_gb/host_memory_gb: out of range")
+        _need(self, "rollout_ranks", self.rollout_ranks >= 1, ">= 1 (at least one rollout rank)")
+        _need(self, "world_size", self.world_size >= 0, ">= 0 (0 = any)")
+        _need(self, "gpus_per_node", self.gpus_per_node >= 1, ">= 1")
+        for k in ("gpu_memory_gb", "host_memory_gb", "timeout_s"):
+            _need(self, k, getattr(self, k) > 0, "> 0")
+        _need(self, "cpu_threads", self.cpu_threads >= 0, ">= 0 (0 = automatic)")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"backend: must be auto, nccl or gloo, got {self.backend!r}")
 
@@ -105,6 +122,7 @@ class TaskConfig:
     bos_token: str = ""
     eos_token: str = ""
     eval_size: int = 64
+    long_prompts: str = "skip"        # prompts that leave no room for rollout.max_tokens: skip | truncate | error
 
     def __post_init__(self):
         if self.kind not in ("digits", "jsonl"):
@@ -113,6 +131,9 @@ class TaskConfig:
             raise ConfigError("path: a jsonl task needs task.path and task.tokenizer")
         if self.digits_kind not in DigitTask.KINDS:
             raise ConfigError(f"digits_kind: must be one of {DigitTask.KINDS}, got {self.digits_kind!r}")
+        _need(self, "digits_length", self.digits_length >= 1, ">= 1")
+        _need(self, "eval_size", self.eval_size >= 1, ">= 1")
+        _need(self, "long_prompts", self.long_prompts in ("skip", "truncate", "error"), "skip, truncate or error")
 
 
 @dataclass
@@ -145,6 +166,7 @@ class TrainConfig:
     optimizer_offload: bool = False   # AdamW moments in host memory, streamed through the GPU per parameter
     compile: bool = False             # torch.compile the elementwise chains (mHC, RoPE, norms, softmax, SwiGLU)
     activation_checkpointing: bool = False
+    max_nonfinite_steps: int = 3      # NaN/Inf loss or gradient: the update is skipped; this many steps in a row stop
 
     LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -166,8 +188,15 @@ class TrainConfig:
             raise ConfigError(f"ep: must be >= 1, got {self.ep}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if not 0 <= self.eps_low < 1 or self.eps_high < 0 or self.tis_cap <= 0 or self.lr <= 0:
-            raise ConfigError("eps_low/eps_high/tis_cap/lr: out of range")
+        for k in ("lr", "tis_cap", "grad_clip"):
+            _need(self, k, getattr(self, k) > 0, "> 0")
+        for k in ("micro_batch", "warmup_steps", "max_refill_rounds", "weight_decay", "kl_coef", "eps_high"):
+            _need(self, k, getattr(self, k) >= 0, ">= 0")
+        _need(self, "eps_low", 0 <= self.eps_low < 1, "in [0, 1)")
+        _need(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        for k in ("beta1", "beta2"):
+            _need(self, k, 0 <= getattr(self, k) < 1, "in [0, 1)")
+        _need(self, "max_nonfinite_steps", self.max_nonfinite_steps >= 1, ">= 1")
 
 
 @dataclass
@@ -196,8 +225,14 @@ class RolloutConfig:
         if self.max_tokens >= self.max_model_len:
             raise ConfigError(f"max_tokens: {self.max_tokens} leaves no room for a prompt in max_model_len "
                               f"{self.max_model_len}")
-        if self.temperature <= 0 or self.max_tokens < 1 or not 0 < self.top_p <= 1:
-            raise ConfigError("temperature/max_tokens/top_p: out of range")
+        _need(self, "temperature", self.temperature > 0, "> 0")
+        _need(self, "max_tokens", self.max_tokens >= 1, ">= 1")
+        _need(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        _need(self, "top_k", self.top_k >= 0, ">= 0 (0 = off)")
+        _need(self, "max_seqs", self.max_seqs >= 1, ">= 1")
+        _need(self, "ep", self.ep >= 1, ">= 1")
+        _need(self, "mem_fraction", 0 < self.mem_fraction <= 1, "in (0, 1]")
+        _need(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "> 0")
 
 
 @dataclass
@@ -206,12 +241,21 @@ class EvalConfig:
     pass_k: int = 4
     temperature: float = 1.0
 
+    def __post_init__(self):
+        _need(self, "every", self.every >= 0, ">= 0 (0 = never)")
+        _need(self, "pass_k", self.pass_k >= 0, ">= 0 (0 = off)")
+        _need(self, "temperature", self.temperature > 0, "> 0")
+
 
 @dataclass
 class CkptConfig:
     every: int = 50                   # steps; 0 = never
-    keep: int = 2
+    keep: int = 2                     # complete checkpoints kept; 0 = all
     export_final: bool = True         # <out_dir>/final in the release layout
+
+    def __post_init__(self):
+        _need(self, "every", self.every >= 0, ">= 0 (0 = never)")
+        _need(self, "keep", self.keep >= 0, ">= 0 (0 = keep all)")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -361,7 +405,6 @@ def init_dist(cfg: RunConfig) -> Dist:
         raise SystemExit("train_grpo.py runs under torchrun, e.g.\n"
                          "  torchrun --standalone --nproc-per-node 3 train_grpo.py --config configs/tiny.yaml")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    cfg.validate_world(world)
     backend = cfg.deploy.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -373,7 +416,21 @@ def init_dist(cfg: RunConfig) -> Dist:
         device = torch.device("cpu")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(cfg.deploy.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.deploy.timeout_s))
+    # the watchdog (deploy.timeout_s per phase) ends a stuck rank with a message naming the phase; the backend's own
+    # timeout is a backstop behind it
+    WATCHDOG.start(rank, cfg.deploy.timeout_s)
+    timeout = timedelta(seconds=2 * cfg.deploy.timeout_s + 60)
+    with phase("rendezvous", "every rank"):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # after a torchrun restart the agent's store still holds the failed attempt's keys, and a rank could
+            # read a dead peer's address from them (pytorch#135712): each attempt gets its own key space
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"grpo-attempt-{attempt}", store), rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     n_actor = world - cfg.deploy.rollout_ranks
     mesh = make_actor_groups(n_actor, cfg.train.ep, device.type)  # collective: every rank creates the groups
     sync_group = dist.new_group([0] + list(range(n_actor, world)))
@@ -438,14 +495,51 @@ def make_task(cfg: RunConfig):
         task = DigitTask(t.digits_kind, t.digits_length, cfg.seed, eval_size=t.eval_size)
         tok = CharTokenizer("0123456789:")
     else:
-        task = JsonlTask(t.path, cfg.seed, t.eval_path or None, t.eval_size, t.strict)
-        tok = HFTokenizer(t.tokenizer, t.chat_template, t.bos_token or None, t.eos_token or None)
+        try:
+            task = JsonlTask(t.path, cfg.seed, t.eval_path or None, t.eval_size, t.strict)
+            tok = HFTokenizer(t.tokenizer, t.chat_template, t.bos_token or None, t.eos_token or None)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"task: {e}") from None
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the task's tokenizer "
                           f"({tok.vocab_size})")
     if tok.eos_id is not None and cfg.model.eos_token_id != tok.eos_id:
         cfg.model.eos_token_id = tok.eos_id
+    budget = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    if isinstance(task, JsonlTask):
+        stats = {"malformed_lines": task.bad_lines}
+        for name in ("items", "_eval"):
+            kept, long = [], 0
+            for it in getattr(task, name):
+                n = len(tok.apply_chat(it.prompt))
+                if n > budget:
+                    long += 1
+                    if t.long_prompts == "error":
+                        raise SystemExit(f"{t.path}: a prompt of {n} tokens leaves no room for rollout.max_tokens "
+                                         f"({cfg.rollout.max_tokens}) in rollout.max_model_len "
+                                         f"({cfg.rollout.max_model_len}): {it.prompt[:80]!r} (task.long_prompts="
+                                         f"skip or truncate to go on)")
+                    if t.long_prompts == "skip":
+                        continue
+                kept.append(it)
+            setattr(task, name, kept)
+            stats[f"{'eval_' if name == '_eval' else ''}long_prompts_{t.long_prompts}"] = long
+        if not task.items or not task._eval:
+            raise SystemExit(f"{t.path}: no {'training' if not task.items else 'evaluation'} prompts left after "
+                             f"skipping {stats}")
+        task.load_stats = stats
+    else:
+        n = max(len(tok.apply_chat(it.prompt)) for it in task.eval_items())
+        if n > budget:
+            raise ConfigError(f"rollout.max_model_len ({cfg.rollout.max_model_len}) leaves {budget} tokens for "
+                              f"prompts after rollout.max_tokens; the digit prompts need {n}")
     return task, tok
+
+
+def encode_prompt(cfg: RunConfig, tok, prompt: str) -> list[int]:
+    """Token ids of a prompt with its chat template; with task.long_prompts=truncate, the tail that fits."""
+    ids = tok.apply_chat(prompt)
+    return ids[-(cfg.rollout.max_model_len - cfg.rollout.max_tokens):]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -467,7 +561,7 @@ def start_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, 
     """Submit a step's first rollout round; returns what finish_rollouts needs."""
     G = cfg.train.group_size
     items = task.batch(cfg.train.prompts_per_step)
-    prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
+    prompts = [encode_prompt(cfg, tok, it.prompt) for it in items for _ in range(G)]
     seed = cfg.seed * 1_000_003 + step * 101
     return items, client.submit(prompts, sampling(cfg, seed, len(prompts)), group_size=G), version
 
@@ -484,7 +578,7 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
             if need <= 0:
                 break
             items = task.batch(need)
-            prompts = [tok.apply_chat(it.prompt) for it in items for _ in range(G)]
+            prompts = [encode_prompt(cfg, tok, it.prompt) for it in items for _ in range(G)]
             handle = client.submit(prompts, sampling(cfg, cfg.seed * 1_000_003 + step * 101 + rnd, len(prompts)),
                                    group_size=G)
         outs = client.collect(handle)
@@ -643,23 +737,40 @@ class Actor:
         s["mismatch_kl"] = (torch.exp(diff) - 1 - diff).sum().item()
         s["mismatch_abs"] = diff.abs().sum().item()
         s["skipped"] = float(bool((b["adv"] == 0).all()))
-        for rows_all_ranks, rows in mbs:
+        s["nonfinite"], applied = 0.0, 0
+        poison = fault_point("loss")  # the recovery tests' NaN
+        for i, (rows_all_ranks, rows) in enumerate(mbs):
             if s["skipped"]:  # no group carries signal: a step would only replay Adam's momentum (drift)
                 break
             norm = {"tokens": mask[rows_all_ranks].sum().item(), "seqs": len(rows_all_ranks)}
             self.opt.zero_grad()
+            finite = True
             for mrows in self.micro(rows):
                 lp, _ = self.forward_lp(self.model, b, mrows, None if replay is None else replay[mrows])
                 loss, st = policy_loss(lp, old[mrows], b["rollout_lp"][mrows], b["adv"][mrows], mask[mrows],
                                        cfg.train, norm, None if ref is None else ref[mrows], cfg.rollout.max_tokens)
+                if poison:
+                    loss = loss * float("nan")
                 loss.backward()
+                finite = finite and math.isfinite(loss.item())
                 s["loss"] += loss.item()
                 s["clip"] += st["clip"]
                 s["tis_trunc"] += st["tis_trunc"]
-            s["grad_norm"] += clip_grad_norm(self.params, cfg.train.grad_clip, d.actor_group)
+            if i == 0:
+                fault_point("train")
+            gn = clip_grad_norm(self.params, cfg.train.grad_clip, d.actor_group)
+            bad = torch.tensor([0.0 if finite and math.isfinite(gn) else 1.0], device=d.device)
+            if d.n_actor > 1:  # every rank skips the same updates
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=d.actor_group)
+            if bad.item():
+                s["nonfinite"] += 1
+                self.opt.zero_grad()
+                continue
+            s["grad_norm"] += gn
+            applied += 1
             self.opt.step(self.lr_at(self.opt_steps))
             self.opt_steps += 1
-        s["grad_norm"] /= len(mbs)
+        s["grad_norm"] /= max(applied, 1)
         s["loss"] /= len(mbs)
         s["replay_diff"], s["replay_total"] = self.routing_mismatch()
         return self._reduce(s)
@@ -673,6 +784,7 @@ class Actor:
         r = dict(zip(keys, v.tolist()))
         n = max(r["tokens"], 1)
         out = {"loss": r["loss"], "entropy": r["entropy"] / n, "clip_frac": r["clip"] / n, "skipped_update": s["skipped"],
+               "nonfinite_updates": s["nonfinite"],
                "tis_trunc_frac": r["tis_trunc"] / n, "mismatch_kl": r["mismatch_kl"] / n,
                "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"]}
         if r["replay_total"]:
@@ -753,6 +865,7 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
     tensors.update({f"model.{k}": local(v).detach().cpu().contiguous() for k, v in actor.model.state_dict().items()})
     tensors.update({f"optim.{k}": v.contiguous() for k, v in actor.opt.state_tensors().items()})
     save_file(tensors, str(tmp / f"actor-rank{d.rank:05d}.safetensors"))
+    fault_point("ckpt")  # the recovery tests: a rank dies with the shards half written
     dist.barrier(group=d.actor_group)
     if d.rank == 0:
         meta = {"step": step, "opt_steps": actor.opt_steps, "adam_t": actor.opt.t, "task": task.state(),
@@ -769,7 +882,11 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
         os.replace(latest_tmp, root / "latest")
         done = sorted(p for p in root.glob("step_*") if p.is_dir())
         for old in done[:-cfg.ckpt.keep] if cfg.ckpt.keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            gone = root / f".del_{old.name}"  # renamed first: never a half-deleted directory under a final name
+            os.replace(old, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        for junk in root.glob(".del_step_*"):  # left by a crash mid-deletion
+            shutil.rmtree(junk, ignore_errors=True)
     dist.barrier(group=d.actor_group)
 
 
@@ -785,16 +902,54 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(actor: Actor, task, path: Path) -> int:
-    d = actor.d
-    meta = json.loads((path / "meta.json").read_text())
-    if (meta["n_actor"], meta.get("ep", 1)) != (d.n_actor, d.mesh.ep):
-        raise SystemExit(f"{path}: written by {meta['n_actor']} actor ranks with ep={meta.get('ep', 1)}; this run has "
-                         f"{d.n_actor} with ep={d.mesh.ep} (shards are per rank)")
-    f = path / f"actor-rank{d.rank:05d}.safetensors"
+def _diff(a, b, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [x for k in sorted(set(a) | set(b)) for x in _diff(a.get(k), b.get(k), f"{prefix}.{k}")]
+    return [] if a == b else [f"{prefix}: checkpoint {a!r}, config {b!r}"]
+
+
+def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: int) -> dict:
+    """Everything about a checkpoint that can be wrong, checked before the actor is built: meta.json, the layout
+    it was written with, the model config, and this rank's shard file (its header and size). Returns meta."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        saved_model = meta["config"]["model"]
+        int(meta["step"]), int(meta["opt_steps"]), int(meta["adam_t"]), meta["task"], meta["python_rng"]
+        written = (int(meta["n_actor"]), int(meta.get("ep", 1)))
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: not a checkpoint (no meta.json)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path / 'meta.json'}: corrupt ({type(e).__name__}: {e})") from None
+    if written != (n_actor, ep):
+        raise SystemExit(f"{path}: written by {written[0]} actor ranks with ep={written[1]}; this run has {n_actor} "
+                         f"with ep={ep} (shards are per rank)")
+    bad = _diff(saved_model, dataclasses.asdict(cfg.model), "model")
+    if bad:
+        raise SystemExit(f"{path}: the checkpoint's model does not match the config: " + "; ".join(bad[:5]))
+    f = path / f"actor-rank{rank:05d}.safetensors"
     if not f.exists():
         raise SystemExit(f"{path}: missing {f.name}")
+    try:  # parses the header and checks that the file holds every byte it declares
+        with safe_open(str(f), "pt") as h:
+            h.keys()
+    except Exception as e:
+        raise SystemExit(f"{f}: corrupt checkpoint shard ({type(e).__name__}: {e})") from None
+    return meta
+
+
+def load_checkpoint(actor: Actor, task, path: Path, meta: dict) -> int:
+    d = actor.d
+    f = path / f"actor-rank{d.rank:05d}.safetensors"
     mine = load_file(str(f))
+    want = {f"model.{k}": local(v) for k, v in actor.model.state_dict().items()}
+    for n, (m, v) in actor.opt.state.items():
+        want[f"optim.{n}.exp_avg"], want[f"optim.{n}.exp_avg_sq"] = m, v
+    for k, v in want.items():
+        if k not in mine:
+            raise SystemExit(f"{f}: missing tensor {k}")
+        if mine[k].shape != v.shape or mine[k].dtype != v.dtype:
+            raise SystemExit(f"{f}: {k} is {mine[k].dtype} {list(mine[k].shape)}, this run expects {v.dtype} "
+                             f"{list(v.shape)}")
     with torch.no_grad():
         for k, v in actor.model.state_dict().items():
             local(v).copy_(mine[f"model.{k}"])
@@ -815,7 +970,7 @@ def load_checkpoint(actor: Actor, task, path: Path) -> int:
 
 def evaluate(cfg: RunConfig, task, tok, client: RolloutClient, step: int) -> dict:
     items = task.eval_items()
-    prompts = [tok.apply_chat(it.prompt) for it in items]
+    prompts = [encode_prompt(cfg, tok, it.prompt) for it in items]
     greedy = client.generate(prompts, sampling(cfg, 0, len(prompts), temperature=0.0))
     acc = sum(task.correct(completion_text(tok, o), it.answer) for o, it in zip(greedy, items)) / len(items)
     k = cfg.eval.pass_k
@@ -854,28 +1009,54 @@ def write_plot(metrics_path: Path, png: Path):
     fig.savefig(png, dpi=100)
 
 
-def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
+def _write_atomic(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def restore_metrics(path: Path, start: int):
+    """On resume: keep the lines of steps up to the checkpoint (later steps are redone identically); a line cut
+    short by a crash is dropped."""
+    keep = []
+    for ln in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(ln)["step"] <= start:
+                keep.append(ln)
+        except (ValueError, KeyError, TypeError):
+            continue
+    _write_atomic(path, "".join(ln + "\n" for ln in keep))
+
+
+def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     client = RolloutClient(d.rollout_ranks, d.sync_group, d.device, cfg.rollout.ep)
     bucket = int(cfg.rollout.sync_bucket_mb * 2 ** 20)
-    start = _agree_start(actor, task, out, resume, d)
+    if getattr(task, "load_stats", None):
+        print(f"task: {len(task.items)} training and {len(task.eval_items())} evaluation prompts; skipped or cut: "
+              + ", ".join(f"{k} {v}" for k, v in task.load_stats.items()), flush=True)
     if start == 0:
-        metrics_path.write_text("")
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    else:  # drop lines of steps after the checkpoint (they will be redone identically)
-        keep = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start]
-        metrics_path.write_text("".join(ln + "\n" for ln in keep))
-        print(f"resumed from step {start}")
+        _write_atomic(metrics_path, "")
+        _write_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    else:
+        restore_metrics(metrics_path, start)
+        print(f"resumed from step {start}", flush=True)
     rdtype, fp8 = actor.sync_format()
     spec = actor.weight_spec(rdtype, fp8)
+    rollout_peers = f"rollout ranks {d.rollout_ranks[0]}-{d.rollout_ranks[-1]}"
 
     def sync(step):
-        _send_cmd(d, "sync", step)
-        sums = {} if cfg.rollout.sync_verify else None
-        return client.sync_weights(spec, actor.full_weights(rdtype, fp8, sums), bucket, sums)
+        with phase(f"weight sync after step {step}", f"actor ranks and {rollout_peers}"):
+            _send_cmd(d, "sync", step)
+            sums = {} if cfg.rollout.sync_verify else None
+            return client.sync_weights(spec, actor.full_weights(rdtype, fp8, sums), bucket, sums)
     sync(start)
+    nonfinite_run = 0   # consecutive steps with a skipped non-finite update
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
     bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
                dynamic_ncols=True)
@@ -883,44 +1064,60 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, resume: str):
     pending = None      # off_policy_steps=1: the next step's first round, submitted before this step trains
     try:
         for step in bar:
-            t0 = time.perf_counter()
-            started = pending or start_rollouts(cfg, step, task, tok, client, version)
-            groups, rs, versions = finish_rollouts(cfg, step, task, tok, client, started, version)
-            pending = None
-            if cfg.train.off_policy_steps and step < cfg.train.steps:
-                pending = start_rollouts(cfg, step + 1, task, tok, client, version)
-            batch = make_batch(groups, cfg, tok.pad_id, n_layers, top_k)
-            t1 = time.perf_counter()
-            _send_cmd(d, "train", step)
-            bcast_batch(batch, d)
-            ts = actor.train_step(batch, step)
-            t2 = time.perf_counter()
-            sent = sync(step)
-            version = step
-            t3 = time.perf_counter()
-            m = {"step": step, "reward_mean": rs["reward_sum"] / rs["samples"], "accuracy": rs["correct"] / rs["samples"],
-                 **{k: ts[k] for k in ("loss", "entropy", "clip_frac", "tis_trunc_frac", "mismatch_kl",
-                                       "mismatch_abs_logp", "grad_norm", "routing_mismatch", "skipped_update")
-                    if k in ts},
-                 "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
-                 "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
-                 "staleness": float(np.mean([step - 1 - v for v in versions])),
-                 "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
-                 "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
-                 "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
-                 "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}
-            last = step == cfg.train.steps
-            if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last):
-                m.update(evaluate(cfg, task, tok, client, step))
-            if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last):
-                _send_cmd(d, "ckpt", step)
-                save_checkpoint(actor, step, task, out, cfg)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kl=f"{m['mismatch_kl']:.1e}")
+            with phase(f"GRPO step {step}"):
+                t0 = time.perf_counter()
+                started = pending or start_rollouts(cfg, step, task, tok, client, version)
+                groups, rs, versions = finish_rollouts(cfg, step, task, tok, client, started, version)
+                pending = None
+                if cfg.train.off_policy_steps and step < cfg.train.steps:
+                    pending = start_rollouts(cfg, step + 1, task, tok, client, version)
+                batch = make_batch(groups, cfg, tok.pad_id, n_layers, top_k)
+                t1 = time.perf_counter()
+                with phase(f"train step {step}", f"actor ranks 0-{d.n_actor - 1}"):
+                    _send_cmd(d, "train", step)
+                    bcast_batch(batch, d)
+                    ts = actor.train_step(batch, step)
+                t2 = time.perf_counter()
+                sent = sync(step)
+                version = step
+                t3 = time.perf_counter()
+                m = {"step": step, "reward_mean": rs["reward_sum"] / rs["samples"],
+                     "accuracy": rs["correct"] / rs["samples"],
+                     **{k: ts[k] for k in ("loss", "entropy", "clip_frac", "tis_trunc_frac", "mismatch_kl",
+                                           "mismatch_abs_logp", "grad_norm", "routing_mismatch", "skipped_update",
+                                           "nonfinite_updates")
+                        if k in ts},
+                     "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
+                     "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
+                     "staleness": float(np.mean([step - 1 - v for v in versions])),
+                     "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
+                     "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
+                     "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
+                     "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}
+                last = step == cfg.train.steps
+                nonfinite_run = nonfinite_run + 1 if ts["nonfinite_updates"] else 0
+                stop = nonfinite_run >= cfg.train.max_nonfinite_steps
+                if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last) and not stop:
+                    m.update(evaluate(cfg, task, tok, client, step))
+                with open(metrics_path, "a") as f:  # before the checkpoint: a resume from it finds this step's line
+                    f.write(json.dumps(m) + "\n")
+                if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last) and not stop:
+                    with phase(f"checkpoint at step {step}", f"actor ranks 0-{d.n_actor - 1}"):
+                        _send_cmd(d, "ckpt", step)
+                        save_checkpoint(actor, step, task, out, cfg)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}",
+                                kl=f"{m['mismatch_kl']:.1e}")
+                if ts["nonfinite_updates"]:
+                    print(f"step {step}: {int(ts['nonfinite_updates'])} update(s) skipped, NaN/Inf loss or gradient "
+                          f"({nonfinite_run} step(s) in a row)", flush=True)
+                if stop:
+                    raise SystemExit(f"stopping: {nonfinite_run} steps in a row with NaN/Inf loss or gradients (steps "
+                                     f"{step - nonfinite_run + 1}-{step}; train.max_nonfinite_steps="
+                                     f"{cfg.train.max_nonfinite_steps}); the newest checkpoint is from before them")
         if cfg.ckpt.export_final:
-            _send_cmd(d, "export", cfg.train.steps)
-            export(actor, out / "final")
+            with phase("export", f"actor ranks 0-{d.n_actor - 1}"):
+                _send_cmd(d, "export", cfg.train.steps)
+                export(actor, out / "final")
     finally:
         _send_cmd(d, "stop")
         client.stop()
@@ -953,38 +1150,51 @@ def _send_cmd(d: Dist, cmd: str, step: int = 0):
         dist.broadcast(torch.tensor([CMDS[cmd], step], device=d.device), 0, group=d.actor_group)
 
 
-def _agree_start(actor: Actor, task, out: Path, resume: str, d: Dist) -> int:
-    """All actor ranks resume from the same checkpoint (the driver's choice)."""
-    path = find_checkpoint(out, resume) if d.rank == 0 else None
-    name = torch.zeros(256, dtype=torch.uint8, device=d.device)
+def agree_checkpoint(cfg: RunConfig, d: Dist, resume: str) -> tuple[Path | None, dict | None]:
+    """All actor ranks resume from the driver's choice; each checks its own shard before the actor is built."""
+    path = find_checkpoint(Path(cfg.out_dir), resume) if d.rank == 0 else None
+    name = torch.zeros(1024, dtype=torch.uint8, device=d.device)
     if d.rank == 0 and path is not None:
-        b = str(path).encode()[:256]
+        b = str(path).encode()
+        if len(b) > name.numel():
+            raise SystemExit(f"{path}: checkpoint path longer than {name.numel()} bytes")
         name[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
     if d.n_actor > 1:
-        dist.broadcast(name, 0, group=d.actor_group)
+        with phase("choosing the checkpoint", "rank 0, the driver"):
+            dist.broadcast(name, 0, group=d.actor_group)
     s = name.cpu().numpy().tobytes().rstrip(b"\0").decode()
-    return load_checkpoint(actor, task, Path(s)) if s else 0
+    if not s:
+        if d.rank == 0 and resume == "auto":
+            print(f"--resume auto: no complete checkpoint in {Path(cfg.out_dir) / 'checkpoints'}; starting at step 0",
+                  flush=True)
+        return None, None
+    return Path(s), check_checkpoint(Path(s), cfg, d.rank, d.n_actor, d.mesh.ep)
 
 
-def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task, resume: str):
+def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task):
     """Actor ranks other than the driver: train on the driver's batches, join checkpoints, until told to stop."""
     out = Path(cfg.out_dir)
-    _agree_start(actor, task, out, resume, d)
+    peers = f"actor ranks 0-{d.n_actor - 1}"
     while True:
         cmd = torch.zeros(2, dtype=torch.int64, device=d.device)
-        dist.broadcast(cmd, 0, group=d.actor_group)
+        with phase("waiting for the driver", "rank 0, the driver", idle=True):
+            dist.broadcast(cmd, 0, group=d.actor_group)
         code, step = int(cmd[0]), int(cmd[1])
         if code == CMDS["stop"]:
             return
         if code == CMDS["train"]:
-            actor.train_step(bcast_batch(None, d), step)
+            with phase(f"train step {step}", peers):
+                actor.train_step(bcast_batch(None, d), step)
         elif code == CMDS["ckpt"]:
-            save_checkpoint(actor, step, task, out, cfg)
+            with phase(f"checkpoint at step {step}", peers):
+                save_checkpoint(actor, step, task, out, cfg)
         elif code == CMDS["sync"]:  # the driver broadcasts what the actor ranks gather together
-            for _ in actor.full_weights(*actor.sync_format()):
-                pass
+            with phase(f"weight sync after step {step}", peers):
+                for _ in actor.full_weights(*actor.sync_format()):
+                    pass
         elif code == CMDS["export"]:
-            export(actor, None)
+            with phase("export", peers):
+                export(actor, None)
 
 
 def make_engine(cfg: RunConfig, model, device, ep=None):
@@ -1008,25 +1218,49 @@ def main(argv=None):
     ap.add_argument("--resume", default="", help="'auto' = newest complete checkpoint in out_dir, or a path")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value")
     args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = RunConfig.load(args.config, args.overrides)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
+        if "RANK" in os.environ:
+            try:
+                cfg.validate_world(int(os.environ["WORLD_SIZE"]))
+            except ConfigError as e:
+                raise ConfigError(f"{args.config}: {e}") from None
+        if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():
+            raise ConfigError(f"--resume {args.resume}: not a complete checkpoint (no meta.json)")
+        task, tok = make_task(cfg)
+    except ConfigError as e:  # the same on every rank: said once
+        raise SystemExit(f"config error: {e}" if rank == 0 else 2) from None
+    except SystemExit as e:
+        raise SystemExit(e.code if rank == 0 else 2) from None
     d = init_dist(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
-        task, tok = make_task(cfg)
         if d.is_actor:
+            ckpt, meta = agree_checkpoint(cfg, d, args.resume)
             actor = Actor(cfg, d)
+            start = load_checkpoint(actor, task, ckpt, meta) if ckpt else 0
             if d.rank == 0:
-                run_driver(cfg, d, actor, task, tok, args.resume)
+                run_driver(cfg, d, actor, task, tok, start)
             else:
-                run_follower(cfg, d, actor, task, args.resume)
+                run_follower(cfg, d, actor, task)
         else:
             run_rollout(cfg, d)
-    finally:
-        dist.destroy_process_group()
+    except SystemExit as e:  # a clear error: say it and leave (peers are torn down by torchrun or their watchdog)
+        if e.code not in (None, 0):
+            sys.stdout.flush()
+            sys.stderr.write(f"rank {d.rank}: {e.code}\n" if isinstance(e.code, str) else "")
+            sys.stderr.flush()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        raise
+    except BaseException as e:
+        sys.stdout.flush()
+        traceback.print_exc()
+        sys.stderr.write(f"{WATCHDOG.where()}: {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

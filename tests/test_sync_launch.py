@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_train import SMALL, finish, launch, metrics
+from tests.recovery import SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false"], ["rollout.engine=simple"]],
