@@ -138,13 +138,16 @@ def reference(root: Path, steps: int) -> tuple[list[dict], float]:
 
 
 def plan_trial(rng: random.Random, ref_seconds: float) -> dict:
-    """One trial's kill: a fault point (rank, point, occurrence) or a random moment; and how it is resumed."""
+    """One trial's kill: the victim's role (actor or rollout, even odds), then a fault point it passes (rank,
+    point, occurrence) or a random moment; and whether torchrun restarts the run or `--resume auto` does."""
     restart = rng.random() < 0.3
+    ranks = list(range(N_ACTOR)) if rng.random() < 0.5 else list(range(N_ACTOR, WORLD))
+    points = sorted(p for p, (rs, _) in POINTS.items() if set(rs) & set(ranks))
     if rng.random() < 0.6:
-        point = rng.choice(sorted(POINTS))
-        ranks, n = POINTS[point]
-        return {"rank": rng.choice(ranks), "point": point, "nth": rng.randint(1, n), "restart": restart}
-    return {"rank": rng.randrange(WORLD), "at_s": round(rng.uniform(0.15, 0.9) * ref_seconds, 1), "restart": restart}
+        point = rng.choice(points)
+        rank = rng.choice([r for r in POINTS[point][0] if r in ranks])
+        return {"rank": rank, "point": point, "nth": rng.randint(1, POINTS[point][1]), "restart": restart}
+    return {"rank": rng.choice(ranks), "at_s": round(rng.uniform(0.15, 0.9) * ref_seconds, 1), "restart": restart}
 
 
 def run_trial(root: Path, i: int, plan: dict, ref: list[dict], steps: int) -> dict:
