@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import decode_attention, index_scores
-from kernels.fp8_gemm import fp8_linear
+from kernels.fp8_gemm import block_quant, fp8_linear
 from kernels.moe import fused_moe
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Experts, Linear, Transformer, attend, hc_post
@@ -129,13 +129,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 # FP8 (and BF16) weight holders for the engines
 
 
+def quantize(w: torch.Tensor, fp8: torch.dtype, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 block FP8: one Triton pass on GPU for fp32 scales (kernels.fp8_gemm.block_quant), else the
+    torch reference."""
+    return block_quant(w, fp8) if scale_fmt == "fp32" else quant_fp8_block(w, fp8, BLOCK, scale_fmt)
+
+
 class FP8Linear(nn.Module):
     """e4m3 weight with 128x128 block scales; forward = act quant per 1x128 tile + block-scaled FP8 GEMM."""
 
     def __init__(self, w: torch.Tensor, fp8: torch.dtype, scale_fmt: str, dtype: torch.dtype):
         super().__init__()
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
-        q, s = quant_fp8_block(w, fp8, BLOCK, scale_fmt)
+        q, s = quantize(w, fp8, scale_fmt)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", s.float())
 
@@ -159,7 +165,7 @@ class FP8Linear(nn.Module):
 
     @torch.no_grad()
     def load_(self, w: torch.Tensor):
-        q, s = quant_fp8_block(w.to(self.qweight.device), self.fp8, BLOCK, self.scale_fmt)
+        q, s = quantize(w.to(self.qweight.device), self.fp8, self.scale_fmt)
         self.qweight.copy_(q)
         self.scale.copy_(s.float())
 
@@ -181,7 +187,7 @@ class EngineExperts(nn.Module):
         for name in ("w1", "w2", "w3"):
             w = getattr(ex, name).data[sl]
             if fp8 is not None:
-                q, s = quant_fp8_block(w, fp8, BLOCK, scale_fmt)
+                q, s = quantize(w, fp8, scale_fmt)
                 self.register_buffer(name, q)
                 self.register_buffer("s" + name[1], s.float())
             else:
@@ -203,7 +209,7 @@ class EngineExperts(nn.Module):
         if self.fp8 is None:
             getattr(self, name).copy_(w)
             return
-        q, s = quant_fp8_block(w, self.fp8, BLOCK, self.scale_fmt)
+        q, s = quantize(w, self.fp8, self.scale_fmt)
         getattr(self, name).copy_(q)
         getattr(self, "s" + name[1]).copy_(s.float())
 
@@ -243,8 +249,10 @@ def update_weights(model: Transformer, named_tensors):
     or, when the sender already quantized (an FP8 tensor followed by `<name>.fp8_scale`), copy the bytes as they
     are. Tensors keep their storage, so captured CUDA graphs stay valid. Under rollout expert parallelism only
     this rank's slice of each layer's experts is kept."""
-    mods = dict(model.named_modules())
-    state = model.state_dict()
+    index = model.__dict__.get("_weight_index")
+    if index is None:  # built once: a weight sync calls this per bucket, and the engine's tensors keep storage
+        index = model.__dict__["_weight_index"] = (dict(model.named_modules()), model.state_dict())
+    mods, state = index
     for name, t in named_tensors:
         scale = name.endswith(FP8_SCALE)
         base = name[: -len(FP8_SCALE)] if scale else name
@@ -1170,12 +1178,15 @@ def _itemsize(dtype_name: str) -> int:
     return torch.empty(0, dtype=_dtype(dtype_name)).element_size()
 
 
+ALIGN = 16  # bytes: every tensor in a sync bucket starts on such a boundary
+
+
 def bucket_plan(spec: list, bucket_bytes: int) -> list[list[int]]:
     """Indices of `spec` ([name, dtype, shape] entries) grouped into buckets of at most bucket_bytes (a tensor
     larger than a bucket travels alone). Sender and receivers derive the same plan."""
     plans, cur, size = [], [], 0
     for i, (_, dt, shape) in enumerate(spec):
-        nb = math.prod(shape) * torch.empty(0, dtype=_dtype(dt)).element_size()
+        nb = -(-math.prod(shape) * _itemsize(dt) // ALIGN) * ALIGN  # as laid out by bucket_layout
         if cur and size + nb > bucket_bytes:
             plans.append(cur)
             cur, size = [], 0
@@ -1184,6 +1195,18 @@ def bucket_plan(spec: list, bucket_bytes: int) -> list[list[int]]:
     if cur:
         plans.append(cur)
     return plans
+
+
+def bucket_layout(spec: list, idx: list[int]) -> tuple[list[int], list[int], int]:
+    """Byte offsets and sizes of the tensors spec[idx] in one bucket, each starting on a 16-byte boundary (so the
+    receiver views them in place), and the bucket's size."""
+    offs, sizes, o = [], [], 0
+    for i in idx:
+        nb = math.prod(spec[i][2]) * _itemsize(spec[i][1])
+        offs.append(o)
+        sizes.append(nb)
+        o += -(-nb // ALIGN) * ALIGN
+    return offs, sizes, o
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1234,22 +1257,21 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
     """One weight sync on a rollout rank: the buckets the driver broadcasts, copied into the engine's weights."""
     spec = meta["spec"]
     plans = bucket_plan(spec, meta["bucket_bytes"])
-    sizes = [[math.prod(spec[i][2]) * _itemsize(spec[i][1]) for i in idx] for idx in plans]
+    layouts = [bucket_layout(spec, idx) for idx in plans]
     # double-buffered: the next bucket is already arriving while this one is copied into the weights
     pending = None
     for k, idx in enumerate(plans + [None]):
         nxt = None
         if idx is not None:
-            buf = torch.empty(sum(sizes[k]), dtype=torch.uint8, device=device)
-            nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], sizes[k])
+            buf = torch.empty(layouts[k][2], dtype=torch.uint8, device=device)
+            nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], layouts[k])
         if pending is not None:
-            pbuf, work, pidx, psizes = pending
+            pbuf, work, pidx, (offs, sizes, _) = pending
             work.wait()
-            o, named = 0, []
-            for i, nb in zip(pidx, psizes):
+            named = []
+            for i, o, nb in zip(pidx, offs, sizes):  # views into the bucket: update_weights copies them
                 name, dt, shape = spec[i]
-                named.append((name, pbuf[o:o + nb].clone().view(_dtype(dt)).reshape(shape)))
-                o += nb
+                named.append((name, pbuf[o:o + nb].view(_dtype(dt)).reshape(shape)))
             engine.update_weights(named)
             if k == 1:
                 fault_point("sync")
@@ -1317,28 +1339,35 @@ class RolloutClient:
         return self.collect(self.submit(prompts, params, group_size))
 
     def sync_weights(self, spec: list, tensors, bucket_bytes: int, verify: dict | None = None) -> int:
-        """Broadcast tensors (an iterator in `spec` order: [name, dtype, shape]) to every rollout rank in buckets
-        of at most bucket_bytes; returns the bytes each receiver got. Double-buffered: the next bucket is gathered
-        and packed while the previous one is on the wire. verify: {name: expected checksum} of the FP8 weights the
-        rollout should hold afterwards; a mismatch raises."""
+        """Broadcast tensors (an iterator in `spec` order: [name, dtype, shape], or a function dst -> such an
+        iterator whose producer writes tensor j into dst(j) when that is not None) to every rollout rank in
+        buckets of at most bucket_bytes; returns the bytes each receiver got. Double-buffered: the next bucket is
+        gathered and packed while the previous one is on the wire. verify: {name: expected checksum} of the FP8
+        weights the rollout should hold afterwards; a mismatch raises."""
         tickets = {}
         for r in self.ranks:
             send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes, "verify": verify is not None}, {},
                      r, self.device)
             if verify is not None:
                 tickets[r] = self._expect(r)
-        total, it, inflight = 0, iter(tensors), []
+        views: dict[int, torch.Tensor] = {}  # spec index -> its place in the bucket being filled
+        total, inflight = 0, []
+        it = iter(tensors(views.get) if callable(tensors) else tensors)
         for idx in bucket_plan(spec, bucket_bytes):
-            parts = []
+            offs, sizes, size = bucket_layout(spec, idx)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding bytes travel unread
+            views.clear()
+            for i, o, nb in zip(idx, offs, sizes):
+                views[i] = buf[o:o + nb].view(_dtype(spec[i][1])).view(spec[i][2])
             for i in idx:
                 t = next(it)
                 if list(t.shape) != spec[i][2] or str(t.dtype) != spec[i][1]:
                     raise ValueError(f"sync_weights: {spec[i][0]} is {t.dtype} {list(t.shape)}, spec says "
                                      f"{spec[i][1]} {spec[i][2]}")
-                parts.append(_bytes(t, self.device))
-            buf = torch.cat(parts)
+                if t.data_ptr() != views[i].data_ptr():  # not written in place by the producer
+                    views[i].copy_(t)
             inflight.append((buf, dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True)))
-            total += buf.numel()
+            total += sum(sizes)  # payload, without the alignment padding
             if len(inflight) == 2:  # two buffers: wait for the older before packing a third
                 with phase("weight sync", f"rollout ranks {self.ranks}"):
                     inflight.pop(0)[1].wait()

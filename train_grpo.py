@@ -73,7 +73,8 @@ from model.parallel import (AdamW, EPExperts, clip_grad_norm, copy_full_state, f
 from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
-from kernels.quant import fp8_dtype, quant_fp8_block
+from kernels.fp8_gemm import block_quant
+from kernels.quant import fp8_dtype
 from rollout_server import (FP8_SCALE, WATCHDOG, Engine, RolloutClient, SamplingParams, SimpleEngine, checksum,
                             fault_point, is_fp8_held, phase, serve)
 
@@ -813,16 +814,24 @@ class Actor:
             spec.append([name, str(dt), shape])
         return spec
 
-    def full_weights(self, dtype, fp8=None, checksums: dict | None = None):
+    def full_weights(self, dtype, fp8=None, checksums: dict | None = None, dst=None):
         """Collective over the actor ranks: the tensors of weight_spec(dtype, fp8), in order. checksums, if given,
         collects the FP8 bytes and scales each rollout rank must end up with (for sync verification): per tensor,
-        or under rollout expert parallelism per expert slice, keyed 'name[a:b]'."""
+        or under rollout expert parallelism per expert slice, keyed 'name[a:b]'. dst(j), if given, is where the
+        j-th tensor is to be written (a view into a weight-sync bucket) or None: cast and quantization write
+        there directly, sparing a copy."""
+        j = 0
         for name, t in full_state(self.model, self.d.mesh):
             quantized = fp8 is not None and is_fp8_held(name)
-            out = t if quantized or not t.is_floating_point() or Transformer.keeps_fp32(name) else t.to(dtype)
+            keep = quantized or not t.is_floating_point() or Transformer.keeps_fp32(name)
+            d = dst(j) if dst is not None and not quantized else None
+            out = d.copy_(t) if d is not None else t if keep else t.to(dtype)
             q = sc = None
             if quantized or (checksums is not None and is_fp8_held(name)):  # the rollout quantizes on arrival
-                q, sc = quant_fp8_block(out, fp8 if quantized else fp8_dtype(self.d.device), 128, "fp32")
+                into = (dst(j), dst(j + 1)) if quantized and dst is not None else None
+                q, sc = block_quant(out, fp8 if quantized else fp8_dtype(self.d.device),
+                                    into if into and None not in into else None)
+            j += 2 if quantized else 1
             if checksums is not None and q is not None:
                 ep = self.cfg.rollout.ep
                 if ep > 1 and ".ffn.experts." in name:
@@ -1054,7 +1063,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
         with phase(f"weight sync after step {step}", f"actor ranks and {rollout_peers}"):
             _send_cmd(d, "sync", step)
             sums = {} if cfg.rollout.sync_verify else None
-            return client.sync_weights(spec, actor.full_weights(rdtype, fp8, sums), bucket, sums)
+            return client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, fp8, sums, dst), bucket, sums)
     sync(start)
     nonfinite_run = 0   # consecutive steps with a skipped non-finite update
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok

@@ -32,6 +32,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=256)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=Path, help="write each rank's torch.profiler table to PROFILE.rank{0,1}.txt")
     args = ap.parse_args(argv)
     cfg = RunConfig.load(args.config, ["deploy.world_size=2", "deploy.rollout_ranks=1", "train.compile=false"])
     d = init_dist(cfg)
@@ -45,9 +46,19 @@ def main(argv=None):
     torch.cuda.synchronize()
     raw = 5 * buf.numel() / (time.perf_counter() - t0)
     del buf
+    prof = None
+    if args.profile:  # kernel and op times of the whole run on this rank (both sync formats), to a text table
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
     if d.rank == 1:
         engine = make_engine(cfg, build_model(cfg.model, d.device, torch.bfloat16, seed=None), d.device)
+        if prof:
+            prof.start()
         serve(engine, 0, d.sync_group, d.device)
+        if prof:
+            prof.stop()
+            args.profile.with_suffix(".rank1.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         dist.destroy_process_group()
         return
     actor = Actor(cfg, d)
@@ -55,20 +66,32 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(), "config": args.config, "raw_broadcast_gb_s": raw / 1e9,
            "bucket_mb": args.bucket_mb}
     rdtype, fp8 = actor.sync_format()
+    if prof:
+        prof.start()
     for mode, q in (("fp8", fp8), ("bf16", None)):
         spec = actor.weight_spec(rdtype, q)
-        client.sync_weights(spec, actor.full_weights(rdtype, q), int(args.bucket_mb * 2 ** 20))  # warm up
+        client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, q, dst=dst), int(args.bucket_mb * 2 ** 20))  # warm-up
         times, sent = [], 0
         for _ in range(args.iters):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            sent = client.sync_weights(spec, actor.full_weights(rdtype, q), int(args.bucket_mb * 2 ** 20))
+            sent = client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, q, dst=dst),
+                                      int(args.bucket_mb * 2 ** 20))
             # the rollout has the weights once its serve loop took the last bucket; a verification round trip
             # would add its checksum time, so the sender's completion of the last broadcast marks the end
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         dt = sorted(times)[len(times) // 2]
-        res[mode] = {"bytes": sent, "wall_s": dt, "gb_s": sent / dt / 1e9, "fraction_of_raw": sent / dt / raw}
+        # where the time goes on the sender: producing the tensors alone (gather, cast, quantize), not sending
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in actor.full_weights(rdtype, q):
+            pass
+        torch.cuda.synchronize()
+        produce = time.perf_counter() - t0
+        print(f"sender alone ({mode}): producing the tensors takes {produce * 1e3:.1f} ms", flush=True)
+        res[mode] = {"bytes": sent, "wall_s": dt, "gb_s": sent / dt / 1e9, "fraction_of_raw": sent / dt / raw,
+                     "sender_produce_s": produce}
         print(f"sync {mode}: {sent / 1e9:.2f} GB in {dt:.3f} s = {sent / dt / 1e9:.1f} GB/s, "
               f"{100 * sent / dt / raw:.0f}% of the raw broadcast {raw / 1e9:.1f} GB/s", flush=True)
     flash = ModelConfig.from_dict(load_yaml("configs/dsv4.yaml")["model"])
@@ -83,6 +106,10 @@ def main(argv=None):
           f"here (one source broadcasting to every rollout rank, as the trainer does); {fp8_bytes / 50e9:.1f} s if "
           f"the actor->rollout path is one 400 Gb/s NIC between nodes", flush=True)
     client.stop()
+    if prof:
+        prof.stop()
+        args.profile.with_suffix(".rank0.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     print(json.dumps(res))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

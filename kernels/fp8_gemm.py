@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .quant import BLOCK, fp8_max
+from .quant import BLOCK, fp8_max, quant_fp8_block
 
 try:
     import triton
@@ -61,6 +61,52 @@ def act_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Te
     s = torch.empty(M, K // BLOCK, dtype=torch.float32, device=x.device)
     if M:
         _act_quant_kernel[(M, K // BLOCK)](x, q, s, x.stride(0), fp8_max(fp8), BLOCK_K=BLOCK)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# weight quantization, 128 x 128 blocks with fp32 scales (the weight sync's sender, FP8 engine loads)
+
+
+if triton is not None:
+    @triton.jit
+    def _block_quant_kernel(W, Q, S, N, K, R, C, fmax, BLOCK_B: tl.constexpr):
+        rb, cb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rows = rb * BLOCK_B + tl.arange(0, BLOCK_B)
+        cols = cb * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        offs = e * N * K + rows[:, None].to(tl.int64) * K + cols[None, :]
+        x = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12), fmax)
+        q = tl.clamp(tl.div_rn(x, s), -fmax, fmax)
+        tl.store(Q + offs, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + (e * R + rb) * C + cb, s)
+
+
+def block_quant(w: torch.Tensor, fp8: torch.dtype, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_fp8_block(w, fp8, 128, "fp32") in one pass over w (any float dtype, (..., N, K)): Triton on GPU,
+    the torch reference elsewhere. Same bytes and scales as the reference on CPU (IEEE division). out: optional
+    contiguous (q, scale) tensors to write into (a weight-sync bucket)."""
+    if not use_triton(w) or (out is not None and w.device != out[0].device):
+        q, s = quant_fp8_block(w, fp8, BLOCK, "fp32")
+        if out is not None:
+            out[0].copy_(q)
+            out[1].copy_(s)
+            return out
+        return q, s
+    w = w.contiguous()
+    N, K = w.shape[-2:]
+    R, C = -(-N // BLOCK), -(-K // BLOCK)
+    lead = w.shape[:-2]
+    E = w.numel() // max(N * K, 1)
+    if out is not None:
+        q, s = out
+        assert q.is_contiguous() and s.is_contiguous() and q.shape == w.shape and s.shape == (*lead, R, C)
+    else:
+        q = torch.empty(w.shape, dtype=fp8, device=w.device)
+        s = torch.empty(*lead, R, C, dtype=torch.float32, device=w.device)
+    if E and N and K:
+        _block_quant_kernel[(R, C, E)](w, q, s, N, K, R, C, fp8_max(fp8), BLOCK_B=BLOCK)
     return q, s
 
 

@@ -151,7 +151,10 @@ def full_state(model: Transformer, mesh: ActorMesh | None):
     Collective over the actor ranks: every actor rank iterates it in lockstep."""
     experts = {n for n, m in model.named_modules() if isinstance(m, Experts)}
     for name, t in model.state_dict().items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if hasattr(t, "full_tensor"):  # a DTensor; on a one-rank mesh its local tensor is the whole of it
+            full = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
+        else:
+            full = t
         if mesh is not None and mesh.ep > 1 and name.rpartition(".")[0] in experts:
             parts = [torch.empty_like(full) for _ in range(mesh.ep)]
             dist.all_gather(parts, full.contiguous(), group=mesh.ep_group)

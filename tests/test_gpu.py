@@ -6,7 +6,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref  # noqa: E402
-from kernels.fp8_gemm import act_quant, act_quant_ref, fp8_gemm, fp8_gemm_ref  # noqa: E402
+from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref  # noqa: E402
 from kernels.moe import fused_moe, fused_moe_ref  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
@@ -22,6 +22,17 @@ def test_act_quant_bit_exact(M):
     q, s = act_quant(x, f8)
     qr, sr = act_quant_ref(x, f8)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.allclose(s, sr)
+
+
+@pytest.mark.parametrize("shape", [(2048, 7168), (300, 200), (4, 1536, 512), (8, 130, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_quant_bit_exact(shape, dtype):
+    f8 = fp8_dtype("cuda")
+    w = torch.randn(shape, device="cuda", dtype=dtype) * torch.rand(shape[-1], device="cuda", dtype=dtype) * 0.1
+    w[..., :3, :5] = 0  # an all-zero corner in a block does not change its scale
+    q, s = block_quant(w, f8)
+    qr, sr = quant_fp8_block(w.cpu(), f8, scale_fmt="fp32")  # on CPU: IEEE division, like the kernel's div_rn
+    assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr)
 
 
 @pytest.mark.parametrize("M", [1, 16, 64, 256])

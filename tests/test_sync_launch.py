@@ -1,6 +1,5 @@
 """Weight sync (exact FP8 weights on the rollout after a sync, from FSDP- and EP-sharded actors), off-policy
 overlap, and the multi-node launch: three torchrun agents with --nnodes 3 on 127.0.0.1."""
-import json
 import os
 import socket
 import subprocess
@@ -8,6 +7,7 @@ import sys
 
 import pytest
 
+from rollout_server import bucket_layout, bucket_plan
 from tests.recovery import SMALL, finish, launch, metrics
 
 
@@ -65,3 +65,10 @@ def test_rollout_expert_parallel_group_equals_one_rollout_rank(tmp_path):
     for a, b in zip(metrics(one), metrics(two)):
         for k in ("reward_mean", "mismatch_kl", "response_len", "loss"):
             assert a[k] == b[k], (k, a[k], b[k])
+
+
+def test_bucket_layout_aligns_every_tensor():
+    """The receiver views each tensor of a bucket in place, so each starts on a 16-byte boundary."""
+    spec = [["a", "torch.float8_e4m3fn", [3, 5]], ["b", "torch.float32", [7]], ["c", "torch.bfloat16", [2, 3]]]
+    assert bucket_layout(spec, [0, 1, 2]) == ([0, 16, 48], [15, 28, 12], 64)
+    assert bucket_plan(spec, 48) == [[0, 1], [2]] and bucket_plan(spec, 47) == [[0], [1], [2]]
