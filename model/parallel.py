@@ -148,14 +148,25 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
 @torch.no_grad()
 def full_state(model: Transformer, mesh: ActorMesh | None):
     """(name, full tensor) for every tensor of the model, in state_dict order, all experts of a layer stacked.
-    Collective over the actor ranks: every actor rank iterates it in lockstep."""
-    experts = {n for n, m in model.named_modules() if isinstance(m, Experts)}
-    for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):  # a DTensor; on a one-rank mesh its local tensor is the whole of it
-            full = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
-        else:
-            full = t
-        if mesh is not None and mesh.ep > 1 and name.rpartition(".")[0] in experts:
+    Collective over the actor ranks: every actor rank iterates it in lockstep.
+
+    The tensors are looked up once per model and kept (state_dict() detaches and dispatches every DTensor, a
+    few milliseconds per sync): this relies on the actor updating its tensors in place (AdamW, checkpoint
+    loads), never replacing them."""
+    entries = model.__dict__.get("_full_state_entries")
+    if entries is None:
+        experts = {n for n, m in model.named_modules() if isinstance(m, Experts)}
+        entries = []
+        for name, t in model.state_dict(keep_vars=True).items():
+            t = t.detach()
+            sharded = hasattr(t, "full_tensor")  # a DTensor; on a one-rank mesh its local tensor is all of it
+            if sharded and t.device_mesh.size() == 1:
+                t, sharded = t.to_local(), False
+            entries.append((name, t, sharded, name.rpartition(".")[0] in experts))
+        model.__dict__["_full_state_entries"] = entries
+    for name, t, sharded, expert in entries:
+        full = t.full_tensor() if sharded else t
+        if mesh is not None and mesh.ep > 1 and expert:
             parts = [torch.empty_like(full) for _ in range(mesh.ep)]
             dist.all_gather(parts, full.contiguous(), group=mesh.ep_group)
             full = torch.cat(parts)

@@ -83,6 +83,10 @@ def main():
     n_sh = clip_grad_norm([p for _, p, _ in opt.params], 0.5, mesh.actor_group)
     if abs(n_ref - n_sh) > 1e-4 * max(1.0, n_ref):
         errors.append(f"grad norm {n_sh} vs {n_ref}")
+    before = {n: t.clone() for n, t in ref.state_dict().items()}
+    for n, full in full_state(sharded, mesh):  # also fills full_state's kept tensors, which must see the step
+        if not torch.equal(full, before[n]):
+            errors.append(f"weight {n} before the step differs")
     opt_ref.step()
     opt.step()
     after = dict(ref.state_dict())
