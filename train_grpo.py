@@ -69,7 +69,7 @@ from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
 from model.model import Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_grad_norm, copy_full_state, full_state, local,
-                            make_actor_groups, shard_actor, use_expert_parallel)
+                            make_actor_groups, sharded_actor)
 from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -638,12 +638,7 @@ class Actor:
     def __init__(self, cfg: RunConfig, d: Dist):
         self.cfg, self.d = cfg, d
         t = cfg.train
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        use_expert_parallel(model, d.mesh)
-        shard_actor(model, d.mesh, DTYPES[t.dtype])
-        model.to_empty(device=d.device)
-        model.reset_buffers()
+        model = sharded_actor(cfg.model, d.mesh, DTYPES[t.dtype], d.device)
         if cfg.init_from:  # each rank reads only its experts and its FSDP rows
             load_state(model, cfg.init_from, d.device, progress=d.rank == 0)
         else:
@@ -660,12 +655,7 @@ class Actor:
         self.opt_steps = 0
         self.ref = None
         if t.kl_coef > 0:  # a frozen copy, sharded the same way
-            with torch.device("meta"):
-                ref = Transformer(cfg.model)
-            use_expert_parallel(ref, d.mesh)
-            shard_actor(ref, d.mesh, DTYPES[t.dtype])
-            ref.to_empty(device=d.device)
-            ref.reset_buffers()
+            ref = sharded_actor(cfg.model, d.mesh, DTYPES[t.dtype], d.device)
             for (_, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
                 local(a).copy_(local(b))
             self.ref = ref.eval().requires_grad_(False)

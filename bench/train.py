@@ -22,26 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.model import Transformer  # noqa: E402
-from model.parallel import (AdamW, clip_grad_norm, copy_full_state, make_actor_groups, shard_actor,  # noqa: E402
-                            use_expert_parallel)
-
-
-def matmul_peak(n: int = 8192, iters: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return 2 * n ** 3 / sorted(ts)[len(ts) // 2]
+from model.parallel import AdamW, clip_grad_norm, copy_full_state, make_actor_groups, sharded_actor  # noqa: E402
+from bench.model_fwd_bwd import matmul_peak  # noqa: E402
 
 
 def main(argv=None):
@@ -63,12 +45,7 @@ def main(argv=None):
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     peak = matmul_peak()
     mesh = make_actor_groups(world, args.ep, "cuda")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    use_expert_parallel(model, mesh)
-    shard_actor(model, mesh, torch.bfloat16)
-    model.to_empty(device="cuda")
-    model.reset_buffers()
+    model = sharded_actor(cfg, mesh, torch.bfloat16, "cuda")
     full = build_model(cfg, "cuda", torch.float32, seed=0)
     copy_full_state(model, full.state_dict().items())
     del full

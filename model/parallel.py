@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from torch import nn
 
 from .config import ModelConfig
 from .model import Experts, Transformer
@@ -127,6 +126,18 @@ def shard_actor(model: Transformer, mesh: ActorMesh, param_dtype: torch.dtype, r
             (getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor)(1.0)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
                 m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def sharded_actor(cfg, mesh: ActorMesh, param_dtype: torch.dtype, device) -> Transformer:
+    """An empty actor built on `meta`, expert-parallel and FSDP-sharded over `mesh`, materialized on `device` with
+    its buffers set (the weights still to be filled: copy_full_state, load_state or a copy)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    use_expert_parallel(model, mesh)
+    shard_actor(model, mesh, param_dtype)
+    model.to_empty(device=device)
+    model.reset_buffers()
     return model
 
 

@@ -15,9 +15,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.model import Transformer  # noqa: E402
-from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, make_actor_groups, shard_actor,  # noqa: E402
-                            use_expert_parallel)
+from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, make_actor_groups,  # noqa: E402
+                            sharded_actor)
 
 
 def main():
@@ -35,12 +34,7 @@ def main():
         for n, p in ref.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * p.shape[-1] ** -0.5)
-    with torch.device("meta"):
-        sharded = Transformer(cfg)
-    use_expert_parallel(sharded, mesh)
-    shard_actor(sharded, mesh, torch.float32)
-    sharded.to_empty(device="cpu")
-    sharded.reset_buffers()
+    sharded = sharded_actor(cfg, mesh, torch.float32, "cpu")
     copy_full_state(sharded, ref.state_dict().items())
     sharded.activation_checkpointing = args.ckpt
 
