@@ -1,4 +1,15 @@
+import random
+
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    """Every test starts from the same global RNG state, whatever ran before it (module fixtures that draw from
+    the global generator included)."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture

@@ -14,10 +14,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def model():
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
     m = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)  # the same weights in every run
     with torch.no_grad():  # larger than the training init so that attention and routing depend on the input
         for n, p in m.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
-                p.normal_(0, p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     return m.eval()
 
 
@@ -54,7 +55,7 @@ def test_shared_prefixes_and_stops(model):
     for o in (batch[0], batch[2], batch[3]):
         assert o.token_ids == alone.token_ids and torch.equal(o.routed_experts, alone.routed_experts)
     stop = alone.token_ids[5]
-    cut = eng.generate([p], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]))[0]
+    cut = eng.generate([p], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop], ignore_eos=True))[0]
     first = alone.token_ids.index(stop)
     assert cut.token_ids == alone.token_ids[:first + 1] and cut.finish_reason == "stop"
 

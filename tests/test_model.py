@@ -15,10 +15,11 @@ def tiny():
 
 def _model(cfg):
     m = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)  # the same weights in every run
     with torch.no_grad():  # larger weights than the training init, so routing depends on the input
         for name, p in m.named_parameters():
             if p.ndim >= 2 and "hc_" not in name:
-                p.normal_(0, p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     return m
 
 

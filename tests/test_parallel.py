@@ -23,10 +23,11 @@ def test_sharded_actor_equals_single_process(n, ep, extra):
 
 def _model():
     m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"]), seed=0)
+    g = torch.Generator().manual_seed(0)  # the same weights in every run
     with torch.no_grad():
         for n, p in m.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
-                p.normal_(0, p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     return m
 
 
