@@ -243,40 +243,108 @@ def is_fp8_held(name: str) -> bool:
     return bool(FP8_LINEAR.search(name)) or bool(re.search(r"\.ffn\.experts\.w[123]$", name))
 
 
+def _weight_index(model: Transformer):
+    """(modules by name, state_dict) of an engine's model, built once: a weight sync resolves every tensor per
+    bucket, and the engine's tensors keep their storage."""
+    index = model.__dict__.get("_weight_index")
+    if index is None:
+        index = model.__dict__["_weight_index"] = (dict(model.named_modules()), model.state_dict())
+    return index
+
+
+def weight_target(model: Transformer, name: str, t: torch.Tensor):
+    """Where a received tensor (named like the training model's state_dict) goes: (dst, src) when it is copied
+    as it is (src sliced to this rank's experts under rollout expert parallelism), or (None, load) where load()
+    converts it (re-quantizes into an FP8 holder, or casts)."""
+    mods, state = _weight_index(model)
+    scale = name.endswith(FP8_SCALE)
+    base = name[: -len(FP8_SCALE)] if scale else name
+    mod_name, _, leaf = base.rpartition(".")
+    mod = mods.get(mod_name)
+    if isinstance(mod, EngineExperts):
+        t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
+        dst = getattr(mod, "s" + leaf[1]) if scale else getattr(mod, leaf)
+        if scale or (t.dtype == dst.dtype and mod.fp8 is not None):
+            return dst, t
+        return None, lambda: mod.load_(leaf, t)
+    if isinstance(mod, FP8Linear) and leaf == "weight":
+        dst = mod.scale if scale else mod.qweight
+        if scale or t.dtype == dst.dtype:
+            return dst, t
+        return None, lambda: mod.load_(t)
+    if name in state:
+        return state[name], t
+    raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
+
+
 @torch.no_grad()
 def update_weights(model: Transformer, named_tensors):
-    """Load (name, tensor) pairs named like the training model's state_dict. FP8 holders re-quantize in place,
-    or, when the sender already quantized (an FP8 tensor followed by `<name>.fp8_scale`), copy the bytes as they
-    are. Tensors keep their storage, so captured CUDA graphs stay valid. Under rollout expert parallelism only
-    this rank's slice of each layer's experts is kept."""
-    index = model.__dict__.get("_weight_index")
-    if index is None:  # built once: a weight sync calls this per bucket, and the engine's tensors keep storage
-        index = model.__dict__["_weight_index"] = (dict(model.named_modules()), model.state_dict())
-    mods, state = index
+    """Load (name, tensor) pairs named like the training model's state_dict, one at a time (the slow twin of
+    `WeightApplier`). FP8 holders re-quantize in place, or, when the sender already quantized (an FP8 tensor
+    followed by `<name>.fp8_scale`), copy the bytes as they are. Tensors keep their storage, so captured CUDA
+    graphs stay valid. Under rollout expert parallelism only this rank's slice of each layer's experts is kept."""
     for name, t in named_tensors:
-        scale = name.endswith(FP8_SCALE)
-        base = name[: -len(FP8_SCALE)] if scale else name
-        mod_name, _, leaf = base.rpartition(".")
-        mod = mods.get(mod_name)
-        if isinstance(mod, EngineExperts):
-            t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
-            if scale:
-                getattr(mod, "s" + leaf[1]).copy_(t)
-            elif t.dtype == getattr(mod, leaf).dtype and mod.fp8 is not None:
-                getattr(mod, leaf).copy_(t)
-            else:
-                mod.load_(leaf, t)
-        elif isinstance(mod, FP8Linear) and leaf == "weight":
-            if scale:
-                mod.scale.copy_(t)
-            elif t.dtype == mod.qweight.dtype:
-                mod.qweight.copy_(t)
-            else:
-                mod.load_(t)
-        elif name in state:
-            state[name].copy_(t.to(state[name].device))
+        dst, src = weight_target(model, name, t)
+        if dst is None:
+            src()
         else:
-            raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
+            dst.copy_(src.to(dst.device))
+
+
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Two contiguous tensors of equal size as the widest integer words their size and both addresses allow
+    (the copy kernels then move 8 bytes per element rather than 1)."""
+    nb = dst.numel() * dst.element_size()
+    w = next(w for w in (8, 4, 2, 1) if nb % w == 0 and dst.data_ptr() % w == 0 and src.data_ptr() % w == 0)
+    return w, dst.reshape(-1).view(torch.uint8).view(_INT[w]), src.reshape(-1).view(torch.uint8).view(_INT[w])
+
+
+class WeightApplier:
+    """The receiver's side of one weight-sync layout (spec, bucket size), planned once per engine: two persistent
+    bucket buffers (bucket k arrives in buffer k % 2) and, per bucket, the byte copies from the buffer into the
+    engine's tensors grouped into one `torch._foreach_copy_` per element width. Tensors that must be converted on
+    arrival (BF16 sent into FP8 holders) go through `weight_target`'s load, as `update_weights` does.
+
+    Same result as `update_weights` on the bucket's views (tests/test_engine.py compares them)."""
+
+    def __init__(self, model: Transformer, spec: list, bucket_bytes: int, device):
+        self.spec, self.bucket_bytes = spec, bucket_bytes
+        self.plans = bucket_plan(spec, bucket_bytes)
+        layouts = [bucket_layout(spec, idx) for idx in self.plans]
+        size = max(lay[2] for lay in layouts)
+        self.bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(self.plans)))]
+        self.sizes, self.steps = [lay[2] for lay in layouts], []
+        for k, (idx, (offs, sizes, _)) in enumerate(zip(self.plans, layouts)):
+            buf, copies, convert = self.bufs[k % 2], {}, []
+            for i, o, nb in zip(idx, offs, sizes):
+                name, dt, shape = spec[i]
+                dst, src = weight_target(model, name, buf[o:o + nb].view(_dtype(dt)).reshape(shape))
+                if dst is None:
+                    convert.append(src)
+                elif dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() \
+                        and src.is_contiguous() and dst.device == src.device:
+                    w, d, s = _word_views(dst, src)
+                    pair = copies.setdefault(w, ([], []))
+                    pair[0].append(d)
+                    pair[1].append(s)
+                else:
+                    convert.append(lambda dst=dst, src=src: dst.copy_(src.to(dst.device)))
+            self.steps.append((list(copies.values()), convert))
+
+    def matches(self, spec: list, bucket_bytes: int) -> bool:
+        return bucket_bytes == self.bucket_bytes and spec == self.spec
+
+    @torch.no_grad()
+    def apply(self, k: int):
+        """Bucket k has arrived in bufs[k % 2]: copy it into the engine's tensors."""
+        copies, convert = self.steps[k]
+        for dsts, srcs in copies:
+            torch._foreach_copy_(dsts, srcs)
+        for f in convert:
+            f()
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -1242,9 +1310,12 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
             params = [SamplingParams(**p) for p in meta["params"]]
             fault_point("generate")
             with phase(f"generation ({len(prompts)} prompts)"):
+                t0 = time.perf_counter()
                 outs = engine.generate(prompts, params)
+                gen_s = time.perf_counter() - t0
             if reply:
                 m, ts = _pack_outputs(outs)
+                m["gen_s"] = gen_s
                 send_msg(m, ts, driver, device)
         elif cmd == "sync":
             with phase("weight sync", f"rank {driver}, the driver"):
@@ -1254,30 +1325,84 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
 
 
 def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
-    """One weight sync on a rollout rank: the buckets the driver broadcasts, copied into the engine's weights."""
-    spec = meta["spec"]
-    plans = bucket_plan(spec, meta["bucket_bytes"])
-    layouts = [bucket_layout(spec, idx) for idx in plans]
-    # double-buffered: the next bucket is already arriving while this one is copied into the weights
+    """One weight sync on a rollout rank: the buckets the driver broadcasts, copied into the engine's weights
+    through the `WeightApplier` planned for this layout (kept for the next sync)."""
+    spec, bucket_bytes = meta["spec"], meta["bucket_bytes"]
+    ap = getattr(engine, "_sync_applier", None)
+    if ap is None or not ap.matches(spec, bucket_bytes):
+        engine._sync_applier = None  # the old plan's buffers go before the new ones are allocated
+        ap = engine._sync_applier = WeightApplier(engine.model, spec, bucket_bytes, device)
+    # double-buffered: bucket k + 1 is arriving while bucket k is copied into the weights (the broadcast into a
+    # buffer is ordered after the copies out of it that were queued before it)
     pending = None
-    for k, idx in enumerate(plans + [None]):
+    for k in range(len(ap.plans) + 1):
         nxt = None
-        if idx is not None:
-            buf = torch.empty(layouts[k][2], dtype=torch.uint8, device=device)
-            nxt = (buf, dist.broadcast(buf, driver, group=sync_group, async_op=True), plans[k], layouts[k])
+        if k < len(ap.plans):
+            nxt = dist.broadcast(ap.bufs[k % 2][:ap.sizes[k]], driver, group=sync_group, async_op=True)
         if pending is not None:
-            pbuf, work, pidx, (offs, sizes, _) = pending
-            work.wait()
-            named = []
-            for i, o, nb in zip(pidx, offs, sizes):  # views into the bucket: update_weights copies them
-                name, dt, shape = spec[i]
-                named.append((name, pbuf[o:o + nb].view(_dtype(dt)).reshape(shape)))
-            engine.update_weights(named)
+            pending.wait()
+            ap.apply(k - 1)
             if k == 1:
                 fault_point("sync")
         pending = nxt
     if meta.get("verify"):
         send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
+
+
+def pack_bucket(spec: list, idx: list[int], offs: list[int], sizes: list[int], buf: torch.Tensor, it, views: dict):
+    """Fill one sync bucket from the producer iterator `it`: views (the dst of the producer) is set to the bucket's
+    slots first, so a producer that writes in place costs no copy here."""
+    views.clear()
+    for i, o, nb in zip(idx, offs, sizes):
+        views[i] = buf[o:o + nb].view(_dtype(spec[i][1])).view(spec[i][2])
+    for i in idx:
+        t = next(it)
+        if list(t.shape) != spec[i][2] or str(t.dtype) != spec[i][1]:
+            raise ValueError(f"sync_weights: {spec[i][0]} is {t.dtype} {list(t.shape)}, spec says "
+                             f"{spec[i][1]} {spec[i][2]}")
+        if t.data_ptr() != views[i].data_ptr():  # not written in place by the producer
+            views[i].copy_(t)
+
+
+class GraphPacker:
+    """The sender's side of one weight-sync layout as CUDA graphs: two persistent bucket buffers and, per bucket,
+    a graph of the producer's kernels (cast, quantize, copy) writing into buffer k % 2. Captured from one pass of
+    the producer (tensors(dst, None)), which must run no collectives and read the same storage on every replay
+    (the actor's parameters, updated in place). The eager path of `RolloutClient.sync_weights` is its slow twin
+    (tests/test_gpu.py compares their bytes)."""
+
+    def __init__(self, spec: list, bucket_bytes: int, tensors, device):
+        self.spec, self.bucket_bytes = spec, bucket_bytes
+        plans = bucket_plan(spec, bucket_bytes)
+        layouts = [bucket_layout(spec, idx) for idx in plans]
+        self.sizes = [lay[2] for lay in layouts]
+        self.payload = sum(sum(lay[1]) for lay in layouts)
+        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=device) for _ in range(min(2, len(plans)))]
+        self.graphs, views = [], {}
+        pool = torch.cuda.graph_pool_handle()  # shared: a tensor split across two buckets is made in one graph
+        it = iter(tensors(views.get, None))   # and read by the next, which replays right after it
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for k, (idx, (offs, sizes, _)) in enumerate(zip(plans, layouts)):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # NCCL's watchdog polls
+                try:
+                    pack_bucket(spec, idx, offs, sizes, self.bufs[k % 2], it, views)
+                finally:
+                    graph.capture_end()
+                self.graphs.append(graph)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if next(it, None) is not None:
+            raise ValueError("sync_weights: the producer yields more tensors than the spec names")
+
+    def matches(self, spec: list, bucket_bytes: int) -> bool:
+        return bucket_bytes == self.bucket_bytes and spec == self.spec
+
+    def pack(self, k: int) -> torch.Tensor:
+        """Replay bucket k's graph; its bytes (for tests)."""
+        self.graphs[k].replay()
+        return self.bufs[k % 2][:self.sizes[k]]
 
 
 class RolloutClient:
@@ -1295,6 +1420,8 @@ class RolloutClient:
         self.queue = {r: [] for r in rollout_ranks}   # tickets in reply order
         self.replies: dict[int, tuple] = {}
         self.next_ticket = 0
+        self.packers: dict = {}  # graphs key -> GraphPacker
+        self.last_gen_s = 0.0
 
     def _expect(self, rank: int) -> int:
         self.next_ticket += 1
@@ -1325,9 +1452,12 @@ class RolloutClient:
         return handle
 
     def collect(self, handle) -> list[Output]:
-        outs = []
+        """The outputs of a submitted request, in prompt order. self.last_gen_s: the longest time one rollout
+        group spent generating its share (the groups generate at the same time)."""
+        outs, self.last_gen_s = [], 0.0
         for r, ticket, prompts in handle:
             meta, t = self._reply(r, ticket)
+            self.last_gen_s = max(self.last_gen_s, meta.get("gen_s", 0.0))
             tok, lp, rt = t["tokens"].cpu().tolist(), t["logprobs"].cpu().tolist(), t["routing"].cpu()
             o = ro = 0
             for p, n, nr, fin in zip(prompts, meta["lengths"], meta["routing_lengths"], meta["finish"]):
@@ -1338,51 +1468,81 @@ class RolloutClient:
     def generate(self, prompts, params, group_size: int = 1) -> list[Output]:
         return self.collect(self.submit(prompts, params, group_size))
 
-    def sync_weights(self, spec: list, tensors, bucket_bytes: int, verify: dict | None = None) -> int:
-        """Broadcast tensors (an iterator in `spec` order: [name, dtype, shape], or a function dst -> such an
-        iterator whose producer writes tensor j into dst(j) when that is not None) to every rollout rank in
-        buckets of at most bucket_bytes; returns the bytes each receiver got. Double-buffered: the next bucket is
-        gathered and packed while the previous one is on the wire. verify: {name: expected checksum} of the FP8
-        weights the rollout should hold afterwards; a mismatch raises."""
+    def sync_weights(self, spec: list, tensors, bucket_bytes: int, verify: bool = False, graphs=None) -> int:
+        """Broadcast the weights to every rollout rank in buckets of at most bucket_bytes; returns the bytes each
+        receiver got. tensors(dst, checksums) yields them in `spec` order ([name, dtype, shape] entries); its
+        producer writes tensor j straight into dst(j) when dst is given and dst(j) is not None (a view into the
+        bucket being filled), and, when checksums is a dict, fills it with {name: checksum} of the FP8 weights the
+        rollout should hold afterwards. Double-buffered: the next bucket is packed while the previous one is on
+        the wire. verify: compare those checksums with the rollout's; a mismatch raises.
+
+        graphs: a key naming a producer that runs no collectives and reads the same storage on every call (an
+        actor on one rank). On CUDA, the first sync under that key runs eagerly and then captures each bucket's
+        packing as a CUDA graph; later syncs replay them (a few microseconds of CPU per bucket instead of a
+        Python step and a kernel launch or two per tensor). With verify, the checksums then come from a separate
+        pass of the producer after the replayed sync, so they check the graphs' bytes."""
         tickets = {}
         for r in self.ranks:
-            send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes, "verify": verify is not None}, {},
+            send_msg({"cmd": "sync", "spec": spec, "bucket_bytes": bucket_bytes, "verify": verify}, {},
                      r, self.device)
-            if verify is not None:
+            if verify:
                 tickets[r] = self._expect(r)
-        views: dict[int, torch.Tensor] = {}  # spec index -> its place in the bucket being filled
-        total, inflight = 0, []
-        it = iter(tensors(views.get) if callable(tensors) else tensors)
-        for idx in bucket_plan(spec, bucket_bytes):
-            offs, sizes, size = bucket_layout(spec, idx)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding bytes travel unread
-            views.clear()
-            for i, o, nb in zip(idx, offs, sizes):
-                views[i] = buf[o:o + nb].view(_dtype(spec[i][1])).view(spec[i][2])
-            for i in idx:
-                t = next(it)
-                if list(t.shape) != spec[i][2] or str(t.dtype) != spec[i][1]:
-                    raise ValueError(f"sync_weights: {spec[i][0]} is {t.dtype} {list(t.shape)}, spec says "
-                                     f"{spec[i][1]} {spec[i][2]}")
-                if t.data_ptr() != views[i].data_ptr():  # not written in place by the producer
-                    views[i].copy_(t)
-            inflight.append((buf, dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True)))
-            total += sum(sizes)  # payload, without the alignment padding
-            if len(inflight) == 2:  # two buffers: wait for the older before packing a third
-                with phase("weight sync", f"rollout ranks {self.ranks}"):
-                    inflight.pop(0)[1].wait()
-                fault_point("sync")
-        with phase("weight sync", f"rollout ranks {self.ranks}"):
-            for _, work in inflight:
-                work.wait()
-        if verify is not None:
+        sums = {} if verify else None
+        packer = self.packers.get(graphs) if graphs is not None else None
+        if packer is not None and not packer.matches(spec, bucket_bytes):
+            del self.packers[graphs]  # its buffers go before new ones are allocated
+            packer = None
+        if packer is not None:
+            total = self._send_graphs(packer)
+            if verify:
+                for _ in tensors(None, sums):
+                    pass
+        else:
+            total = self._send_eager(spec, tensors, sums, bucket_bytes)
+        if graphs is not None and packer is None and self.device.type == "cuda":
+            self.packers[graphs] = GraphPacker(spec, bucket_bytes, tensors, self.device)
+        if verify:
             for r in self.ranks:
                 got = self._reply(r, tickets[r])[0]["checksums"]
-                bad = [n for n, c in got.items() if verify.get(n) != c]
+                bad = [n for n, c in got.items() if sums.get(n) != c]
                 if bad:
                     raise RuntimeError(f"weight sync verification: rollout rank {r} holds different FP8 weights for "
                                        f"{len(bad)} tensors, first {bad[:3]}")
         return total
+
+    def _send_eager(self, spec: list, tensors, sums, bucket_bytes: int) -> int:
+        views: dict[int, torch.Tensor] = {}  # spec index -> its place in the bucket being filled
+        total, inflight = 0, []
+        it = iter(tensors(views.get, sums))
+        for idx in bucket_plan(spec, bucket_bytes):
+            offs, sizes, size = bucket_layout(spec, idx)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding bytes travel unread
+            pack_bucket(spec, idx, offs, sizes, buf, it, views)
+            inflight.append(dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True))
+            total += sum(sizes)  # payload, without the alignment padding
+            if len(inflight) == 2:  # two buffers: wait for the older before packing a third
+                with phase("weight sync", f"rollout ranks {self.ranks}"):
+                    inflight.pop(0).wait()
+                fault_point("sync")
+        with phase("weight sync", f"rollout ranks {self.ranks}"):
+            for work in inflight:
+                work.wait()
+        return total
+
+    def _send_graphs(self, packer: "GraphPacker") -> int:
+        inflight = []
+        for k, graph in enumerate(packer.graphs):
+            if len(inflight) == 2:  # bucket k - 2 has left buffer k % 2 (a wait on the stream, not the host)
+                with phase("weight sync", f"rollout ranks {self.ranks}"):
+                    inflight.pop(0).wait()
+                fault_point("sync")
+            graph.replay()
+            inflight.append(dist.broadcast(packer.bufs[k % 2][:packer.sizes[k]], dist.get_rank(),
+                                           group=self.sync_group, async_op=True))
+        with phase("weight sync", f"rollout ranks {self.ranks}"):
+            for work in inflight:
+                work.wait()
+        return packer.payload
 
     def stop(self):
         for r in self.ranks:

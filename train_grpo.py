@@ -214,9 +214,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 8
-    sync_bucket_mb: float = 64.0
+    sync_bucket_mb: float = 256.0
     sync_fp8: bool = True             # quantize on the actor: FP8 bytes + block scales cross the link (with fp8)
     sync_verify: bool = False         # after each sync, compare checksums of the rollout's FP8 weights
+    sync_graphs: bool = True          # replay the sender's bucket packing as CUDA graphs (one actor rank, GPU)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -571,7 +572,8 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
     """Collect, score and (with dynamic sampling) refill a step's groups. Returns the groups, rollout statistics
     and each group's generation version (the actor version whose weights the rollout held)."""
     G, P = cfg.train.group_size, cfg.train.prompts_per_step
-    kept, dropped, stats = [], [], {"gen_tokens": 0, "reward_sum": 0.0, "correct": 0, "samples": 0, "rounds": 0}
+    kept, dropped, stats = [], [], {"gen_tokens": 0, "reward_sum": 0.0, "correct": 0, "samples": 0, "rounds": 0,
+                                    "gen_s": 0.0}
     items, handle, first_version = started
     for rnd in range(1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)):
         if rnd > 0:
@@ -583,6 +585,7 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
             handle = client.submit(prompts, sampling(cfg, cfg.seed * 1_000_003 + step * 101 + rnd, len(prompts)),
                                    group_size=G)
         outs = client.collect(handle)
+        stats["gen_s"] += client.last_gen_s
         gen_version = first_version if rnd == 0 else version
         stats["rounds"] += 1
         for j, it in enumerate(items):
@@ -786,6 +789,11 @@ class Actor:
         """(dtype for tensors sent as is, FP8 dtype for FP8-held tensors or None)."""
         r = self.cfg.rollout
         return DTYPES[r.dtype], (fp8_dtype(self.d.device) if r.fp8 and r.sync_fp8 else None)
+
+    def sync_capturable(self) -> bool:
+        """Whether full_weights runs no collectives and reads storage that stays put (one actor rank on a GPU), so
+        the weight sync may capture its packing as CUDA graphs."""
+        return self.d.n_actor == 1 and self.d.device.type == "cuda"
 
     def weight_spec(self, dtype, fp8=None) -> list:
         """[name, dtype, full shape] of every tensor the rollout needs, in full_weights order. With fp8, the
@@ -1048,12 +1056,16 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
     rdtype, fp8 = actor.sync_format()
     spec = actor.weight_spec(rdtype, fp8)
     rollout_peers = f"rollout ranks {d.rollout_ranks[0]}-{d.rollout_ranks[-1]}"
+    graphs = "actor" if cfg.rollout.sync_graphs and actor.sync_capturable() else None
 
     def sync(step):
         with phase(f"weight sync after step {step}", f"actor ranks and {rollout_peers}"):
             _send_cmd(d, "sync", step)
-            sums = {} if cfg.rollout.sync_verify else None
-            return client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, fp8, sums, dst), bucket, sums)
+            sent = client.sync_weights(spec, lambda dst, sums: actor.full_weights(rdtype, fp8, sums, dst), bucket,
+                                       cfg.rollout.sync_verify, graphs)
+            if d.device.type == "cuda":  # the broadcasts are queued on the GPU: time_sync_s counts until they end
+                torch.cuda.synchronize(d.device)
+            return sent
     sync(start)
     nonfinite_run = 0   # consecutive steps with a skipped non-finite update
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
@@ -1090,6 +1102,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
                      "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
                      "staleness": float(np.mean([step - 1 - v for v in versions])),
                      "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
+                     "time_generate_s": rs["gen_s"], "time_step_s": t3 - t0,
                      "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
                      "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
                      "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}

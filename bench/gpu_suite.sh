@@ -20,14 +20,18 @@ for part in "$@"; do
       timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --compile --ckpt --json "$OUT/train1_compile_ckpt.json" 2>&1 | grep -E "MFU|Error"
       [ "$NGPU" -ge 2 ] && timeout 240 torchrun --standalone --nproc-per-node 2 bench/train.py --compile --json "$OUT/train2_compile.json" 2>&1 | grep -E "MFU|Error" ;;
     sync)
-      timeout 240 torchrun --standalone --nproc-per-node 2 bench/sync.py --json "$OUT/sync.json" > "$OUT/sync.log" 2>&1
-      grep -E "^sync|^DeepSeek|Error" "$OUT/sync.log" ;;
+      for mb in 64 256 1024; do
+        timeout 200 torchrun --standalone --nproc-per-node 2 bench/sync.py --bucket-mb $mb --json "$OUT/sync$mb.json" > "$OUT/sync$mb.log" 2>&1
+        grep -E "^sync|^sender|^DeepSeek|Error" "$OUT/sync$mb.log"
+      done
+      timeout 200 torchrun --standalone --nproc-per-node 2 bench/sync.py --eager --json "$OUT/sync_eager.json" > "$OUT/sync_eager.log" 2>&1
+      grep -E "^sync|^sender|Error" "$OUT/sync_eager.log" ;;
     grpo)
       for op in 0 1; do
-        timeout 280 torchrun --standalone --nproc-per-node 2 train_grpo.py --config configs/mini.yaml out_dir="$OUT/grpo$op" \
-          train.steps=4 train.off_policy_steps=$op train.prompts_per_step=32 rollout.max_tokens=256 \
+        timeout 290 torchrun --standalone --nproc-per-node 2 train_grpo.py --config configs/mini.yaml out_dir="$OUT/grpo$op" \
+          train.steps=8 train.off_policy_steps=$op train.prompts_per_step=32 rollout.max_tokens=256 \
           train.dynamic_sampling=false eval.every=0 ckpt.every=0 ckpt.export_final=false > "$OUT/grpo$op.log" 2>&1
-        python3 -c "import json,sys; [print($op, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in json.loads(l).items() if k in ('step','time_rollout_s','time_train_s','time_sync_s','sync_gb_s','staleness','reward_mean','mismatch_kl','routing_mismatch')})) for l in open('$OUT/grpo$op/metrics.jsonl')]" 2>&1 || tail -5 "$OUT/grpo$op.log"
+        python3 -c "import json,sys; [print($op, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in json.loads(l).items() if k in ('step','time_rollout_s','time_generate_s','time_train_s','time_sync_s','time_step_s','sync_gb_s','staleness','response_len','skipped_update','mismatch_kl')})) for l in open('$OUT/grpo$op/metrics.jsonl')]" 2>&1 || tail -5 "$OUT/grpo$op.log"
       done ;;
   esac
 done

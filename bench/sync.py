@@ -4,7 +4,7 @@
 
 Rank 0 is the actor (FSDP2 over one rank, fp32 master weights), rank 1 the FP8 rollout engine in its serve loop.
 First `dist.broadcast` of 1 GiB buffers between them (the raw rate); then full syncs through the code the trainer
-runs (Actor.full_weights -> RolloutClient.sync_weights -> serve -> update_weights), FP8-quantized on the sender
+runs (Actor.full_weights -> RolloutClient.sync_weights -> serve -> WeightApplier), FP8-quantized on the sender
 and in BF16; achieved GB/s = bytes each receiver got / wall time. Last, the time a DeepSeek-V4-Flash sync would
 take at the measured rate, from the memory planner's exact rollout weight bytes.
 """
@@ -31,6 +31,7 @@ def main(argv=None):
     ap.add_argument("--config", default="configs/mini.yaml")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs for the sender's packing (the slow twin)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=Path, help="write each rank's torch.profiler table to PROFILE.rank{0,1}.txt")
     args = ap.parse_args(argv)
@@ -68,30 +69,40 @@ def main(argv=None):
     rdtype, fp8 = actor.sync_format()
     if prof:
         prof.start()
+    bucket = int(args.bucket_mb * 2 ** 20)
     for mode, q in (("fp8", fp8), ("bf16", None)):
         spec = actor.weight_spec(rdtype, q)
-        client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, q, dst=dst), int(args.bucket_mb * 2 ** 20))  # warm-up
+        producer = lambda dst, sums, q=q: actor.full_weights(rdtype, q, sums, dst)  # noqa: E731
+        graphs = None if args.eager else mode
+        client.sync_weights(spec, producer, bucket, graphs=graphs)  # warm-up (and the graphs' capture)
         times, sent = [], 0
         for _ in range(args.iters):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            sent = client.sync_weights(spec, lambda dst: actor.full_weights(rdtype, q, dst=dst),
-                                      int(args.bucket_mb * 2 ** 20))
+            sent = client.sync_weights(spec, producer, bucket, graphs=graphs)
             # the rollout has the weights once its serve loop took the last bucket; a verification round trip
             # would add its checksum time, so the sender's completion of the last broadcast marks the end
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         dt = sorted(times)[len(times) // 2]
-        # where the time goes on the sender: producing the tensors alone (gather, cast, quantize), not sending
+        # where the time goes on the sender: packing the buckets alone (gather, cast, quantize), not sending
+        packer = client.packers.get(graphs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in actor.full_weights(rdtype, q):
-            pass
+        if packer is not None:
+            for k in range(len(packer.graphs)):
+                packer.pack(k)
+        else:
+            for _ in producer(None, None):
+                pass
         torch.cuda.synchronize()
-        produce = time.perf_counter() - t0
-        print(f"sender alone ({mode}): producing the tensors takes {produce * 1e3:.1f} ms", flush=True)
+        alone = time.perf_counter() - t0
+        # the same sync once more, checked: the rollout's FP8 bytes and scales against the actor's quantization
+        client.sync_weights(spec, producer, bucket, verify=True, graphs=graphs)
+        print(f"sender alone ({mode}, {'CUDA graphs' if packer else 'eager'}): packing takes {alone * 1e3:.1f} ms; "
+              f"a verified sync matched every FP8 tensor's checksum", flush=True)
         res[mode] = {"bytes": sent, "wall_s": dt, "gb_s": sent / dt / 1e9, "fraction_of_raw": sent / dt / raw,
-                     "sender_produce_s": produce}
+                     "sender_alone_s": alone, "graphs": packer is not None, "verified": True}
         print(f"sync {mode}: {sent / 1e9:.2f} GB in {dt:.3f} s = {sent / dt / 1e9:.1f} GB/s, "
               f"{100 * sent / dt / raw:.0f}% of the raw broadcast {raw / 1e9:.1f} GB/s", flush=True)
     flash = ModelConfig.from_dict(load_yaml("configs/dsv4.yaml")["model"])

@@ -147,3 +147,53 @@ def test_engine_graphs_match_eager_and_simple():
         shared.append(n)
         assert n >= 1 and max(abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])) < 0.1
     assert sorted(shared)[len(shared) // 2] >= 10, shared
+
+
+def test_sync_graph_packer_matches_eager_packing():
+    """The sender's CUDA-graph packing (GraphPacker) writes the same bucket bytes as the eager packing, for a
+    producer shaped like Actor.full_weights (FP8 quantization and casts written in place, an FP8 tensor and its
+    scales split across two buckets), and sees in-place updates of the source tensors made after the capture."""
+    from rollout_server import GraphPacker, bucket_layout, bucket_plan, pack_bucket
+    f8 = fp8_dtype("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(384, 256), (64,), (4, 256, 128), (1000, 130), (7,), (256, 512)]
+    params = [(f"t{i}", torch.randn(s, device="cuda", generator=g)) for i, s in enumerate(shapes)]
+    held = {"t0", "t2", "t3", "t5"}  # sent as FP8 bytes followed by their 128x128 block scales
+    spec = []
+    for name, w in params:
+        if name in held:
+            spec += [[name, str(f8), list(w.shape)],
+                     [name + ".s", "torch.float32", [*w.shape[:-2], -(-w.shape[-2] // 128), -(-w.shape[-1] // 128)]]]
+        else:
+            spec.append([name, "torch.bfloat16", list(w.shape)])
+
+    def producer(dst, sums):
+        j = 0
+        for name, w in params:
+            if name in held:
+                into = (dst(j), dst(j + 1)) if dst is not None else None
+                q, s = block_quant(w, f8, into if into and None not in into else None)
+                j += 2
+                yield q
+                yield s
+            else:
+                d = dst(j) if dst is not None else None
+                j += 1
+                yield d.copy_(w) if d is not None else w.to(torch.bfloat16)
+
+    bucket = 130016  # t3's FP8 bytes (130000) fill one bucket, its scales start the next
+    plans = bucket_plan(spec, bucket)
+    assert any(spec[p[0]][0] == "t3.s" for p in plans)
+    packer = GraphPacker(spec, bucket, producer, torch.device("cuda"))
+    for step in range(2):
+        views = {}
+        it = iter(producer(views.get, None))
+        for k, idx in enumerate(plans):
+            offs, sizes, size = bucket_layout(spec, idx)
+            ref = torch.zeros(size, dtype=torch.uint8, device="cuda")
+            pack_bucket(spec, idx, offs, sizes, ref, it, views)
+            got = packer.pack(k)
+            for o, nb in zip(offs, sizes):  # the padding between slots is never read
+                assert torch.equal(got[o:o + nb], ref[o:o + nb]), (step, k)
+        for _, w in params:  # an optimizer step: in place, after the capture
+            w.mul_(-1.5).add_(0.25)

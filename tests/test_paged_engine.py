@@ -4,7 +4,10 @@ import torch
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
-from rollout_server import Engine, SamplingParams, SimpleEngine
+from kernels.quant import fp8_dtype
+from model.model import Transformer
+from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
+                            is_fp8_held, prepare_inference_model, quantize, update_weights)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -13,10 +16,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def model():
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
     m = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)  # the same weights in every run
     with torch.no_grad():  # large enough weights that attention, the indexer and routing depend on the input
         for n, p in m.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
-                p.normal_(0, p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     return m.eval()
 
 
@@ -117,3 +121,45 @@ def test_weight_updates_reach_the_paged_engine(model):
     a, b = eng.generate(p, GREEDY), fresh.generate(p, GREEDY)
     for x, y in zip(a, b):
         _same(x, y)
+
+
+@pytest.mark.parametrize("send_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_send", [True, False], ids=["fp8-send", "plain-send"])
+@pytest.mark.parametrize("ep", [None, (None, 2, 1)], ids=["all-experts", "ep2-rank1"])
+def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep):
+    """The receiver's fast path (persistent buckets, byte copies batched per bucket) leaves exactly the tensors
+    the per-tensor slow twin leaves: FP8 bytes sent as they are or re-quantized on arrival, casts, expert slices
+    under rollout expert parallelism, tensors split over many small buckets."""
+    fp8 = fp8_dtype(torch.device("cpu"))
+    new = build_model(model.cfg, seed=9)
+    spec, tensors = [], []
+    for name, t in new.state_dict().items():
+        if fp8_send and is_fp8_held(name):
+            q, s = quantize(t, fp8, "fp32")
+            spec += [[name, str(q.dtype), list(q.shape)], [name + FP8_SCALE, str(s.dtype), list(s.shape)]]
+            tensors += [q, s]
+        else:
+            t = t.to(send_dtype) if t.is_floating_point() and not Transformer.keeps_fp32(name) else t
+            spec.append([name, str(t.dtype), list(t.shape)])
+            tensors.append(t)
+    fast, slow = (prepare_inference_model(model, True, torch.float32, "cpu", ep=ep) for _ in range(2))
+    before = {k: v.clone() for k, v in slow.state_dict().items()}
+    bucket = 4096
+    ap = WeightApplier(fast, spec, bucket, "cpu")
+    assert ap.matches(spec, bucket) and not ap.matches(spec, 2 * bucket)
+    for k, idx in enumerate(bucket_plan(spec, bucket)):
+        offs, sizes, size = bucket_layout(spec, idx)
+        buf = ap.bufs[k % 2][:size]
+        buf.zero_()
+        for i, o, nb in zip(idx, offs, sizes):
+            buf[o:o + nb].copy_(tensors[i].reshape(-1).view(torch.uint8))
+        update_weights(slow, [(spec[i][0], buf[o:o + nb].view(tensors[i].dtype).view(tensors[i].shape))
+                              for i, o, nb in zip(idx, offs, sizes)])
+        ap.apply(k)
+    a, b = fast.state_dict(), slow.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == fp8 else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == fp8 else b[k]), k
+    changed = [k for k in b if not torch.equal(b[k].float(), before[k].float())]
+    assert len(changed) > len(b) // 2

@@ -36,6 +36,7 @@ def tree_digest(d: Path) -> dict:
 def test_reference_run_metrics_and_checkpoints(ref):
     out, rows = ref
     for key in ("step", "reward_mean", "loss", "mismatch_kl", "time_rollout_s", "time_train_s", "time_sync_s",
+                "time_generate_s", "time_step_s",
                 "accuracy", "response_len", "entropy", "clip_frac", "tis_trunc_frac", "grad_norm", "tokens_per_s",
                 "mismatch_abs_logp", "nonfinite_updates"):
         assert key in rows[0], key
