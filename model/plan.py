@@ -110,6 +110,8 @@ def plan(run) -> dict:
     a["one layer recomputed (transient)"] = act["recompute"]
     a["attention chunk (transient)"] = (tr.micro_batch or 1) * attention_chunk_bytes(cfg, ro.max_model_len)
     a["logits (chunked head)"] = 3 * 4 * min(tokens, 1024) * cfg.vocab_size
+    sync = 2 * ro.sync_bucket_mb * 2 ** 20  # two persistent buckets each side (GraphPacker / WeightApplier)
+    a["weight-sync buckets (rank 0)"] = sync
     # rollout
     E = cfg.n_routed_experts
     rs = 2 if ro.dtype == "bf16" else 4
@@ -120,6 +122,7 @@ def plan(run) -> dict:
          + buffers,
          "routed experts": (fp8 * ps["experts"] + (4 * ps["expert_blocks"] if ro.fp8 else 0)) / ro.ep}
     r["cache pools"] = cache_bytes(cfg, ro.max_seqs, ro.max_model_len, rs)
+    r["weight-sync buckets"] = sync
     S = ro.max_model_len // cfg.csa_ratio
     r["decode working set"] = ro.max_seqs * (4 * (cfg.vocab_size * 3 + S * 2) + rs * 64 * cfg.hidden_size) \
         + ro.max_seqs * cfg.num_experts_per_tok * rs * cfg.moe_intermediate_size * 4
