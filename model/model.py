@@ -264,21 +264,22 @@ def _attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
 
     q (B, T, H, d); window_kv (B, Kw, d); window_allowed (B or 1, T, Kw) bool;
     comp_kv (B, S, d) or None; comp_allowed (B or 1, T, S) bool; sink (H,) -> (B, T, H, d) in q's dtype.
-    Every head reads the one shared K == V head, so the heads fold into the rows of one GEMM per batch entry
-    ((T*H, d) x (d, K)): no per-head copies of the keys, and the output comes out in (B, T, H, d) order.
     """
     B, T, H, d = q.shape
-    kv = window_kv
-    masks = [window_allowed.expand(B, T, -1)]
+    qh = q.transpose(1, 2)  # (B, H, T, d)
+    logits = [torch.matmul(qh, window_kv.unsqueeze(1).transpose(-1, -2)).float() * scale]
+    masks = [window_allowed.unsqueeze(1).expand(B, 1, T, -1)]
     if comp_kv is not None and comp_kv.shape[1] > 0:
-        kv = torch.cat([window_kv, comp_kv.to(q.dtype)], 1)
-        masks.append(comp_allowed.expand(B, T, -1))
-    lg = torch.bmm(q.reshape(B, T * H, d), kv.transpose(1, 2)).view(B, T, H, -1).float() * scale
-    lg = lg.masked_fill(~torch.cat(masks, -1).unsqueeze(2), float("-inf"))
-    lg = torch.cat([lg, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], -1)
-    p = lg.softmax(-1).to(q.dtype)  # the sink's column meets a zero value row
-    kv0 = torch.cat([kv, kv.new_zeros(B, 1, d)], 1)
-    return torch.bmm(p.view(B, T * H, -1), kv0).view(B, T, H, d)
+        logits.append(torch.matmul(qh, comp_kv.to(q.dtype).unsqueeze(1).transpose(-1, -2)).float() * scale)
+        masks.append(comp_allowed.unsqueeze(1).expand(B, 1, T, -1))
+    lg = torch.cat(logits, -1).masked_fill(~torch.cat(masks, -1), float("-inf"))
+    lg = torch.cat([lg, sink.float().view(1, H, 1, 1).expand(B, H, T, 1)], -1)
+    p = lg.softmax(-1)[..., :-1].to(q.dtype)
+    kw = window_kv.shape[1]
+    out = torch.matmul(p[..., :kw], window_kv.unsqueeze(1))
+    if len(logits) > 1:
+        out = out + torch.matmul(p[..., kw:], comp_kv.to(q.dtype).unsqueeze(1))
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
