@@ -308,7 +308,7 @@ class WeightApplier:
     engine's tensors grouped into one `torch._foreach_copy_` per element width. Tensors that must be converted on
     arrival (BF16 sent into FP8 holders) go through `weight_target`'s load, as `update_weights` does.
 
-    Same result as `update_weights` on the bucket's views (tests/test_engine.py compares them)."""
+    Same result as `update_weights` on the bucket's views (tests/test_paged_engine.py compares them)."""
 
     def __init__(self, model: Transformer, spec: list, bucket_bytes: int, device):
         self.spec, self.bucket_bytes = spec, bucket_bytes

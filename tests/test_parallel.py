@@ -11,10 +11,12 @@ from model import ModelConfig, build_model
 from model.config import load_yaml
 
 
-@pytest.mark.parametrize("n, ep, extra", [(2, 1, []), (2, 2, []), (4, 2, ["--ckpt"]), (4, 4, [])],
-                         ids=["fsdp2", "ep2", "fsdp2xep2-ckpt", "ep4"])
+@pytest.mark.parametrize("n, ep, extra", [(1, 1, []), (2, 1, []), (2, 2, []), (4, 2, ["--ckpt"]), (4, 4, [])],
+                         ids=["one-rank", "fsdp2", "ep2", "fsdp2xep2-ckpt", "ep4"])
 def test_sharded_actor_equals_single_process(n, ep, extra):
-    """Loss, every gradient, the clipped norm and the weights after one AdamW step (tests/parallel_check.py)."""
+    """Loss, every gradient, the clipped norm and the weights after one AdamW step (tests/parallel_check.py).
+    one-rank: the weight sync's kept tensors (and the CUDA graphs captured from them) read the storage AdamW
+    updates in place."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         "tests/parallel_check.py", "--ep", str(ep), *extra], capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
