@@ -834,9 +834,9 @@ class Actor:
                 ep = self.cfg.rollout.ep
                 if ep > 1 and ".ffn.experts." in name:
                     n = q.shape[0] // ep
-                    for j in range(ep):
-                        checksums[f"{name}[{j * n}:{(j + 1) * n}]"] = checksum(q[j * n:(j + 1) * n]) + \
-                            checksum(sc[j * n:(j + 1) * n])
+                    for r in range(ep):
+                        checksums[f"{name}[{r * n}:{(r + 1) * n}]"] = checksum(q[r * n:(r + 1) * n]) + \
+                            checksum(sc[r * n:(r + 1) * n])
                 else:
                     checksums[name] = checksum(q) + checksum(sc)
             if quantized:
