@@ -291,62 +291,6 @@ def update_weights(model: Transformer, named_tensors):
             dst.copy_(src.to(dst.device))
 
 
-_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """Two contiguous tensors of equal size as the widest integer words their size and both addresses allow
-    (the copy kernels then move 8 bytes per element rather than 1)."""
-    nb = dst.numel() * dst.element_size()
-    w = next(w for w in (8, 4, 2, 1) if nb % w == 0 and dst.data_ptr() % w == 0 and src.data_ptr() % w == 0)
-    return w, dst.reshape(-1).view(torch.uint8).view(_INT[w]), src.reshape(-1).view(torch.uint8).view(_INT[w])
-
-
-class WeightApplier:
-    """The receiver's side of one weight-sync layout (spec, bucket size), planned once per engine: two persistent
-    bucket buffers (bucket k arrives in buffer k % 2) and, per bucket, the byte copies from the buffer into the
-    engine's tensors grouped into one `torch._foreach_copy_` per element width. Tensors that must be converted on
-    arrival (BF16 sent into FP8 holders) go through `weight_target`'s load, as `update_weights` does.
-
-    Same result as `update_weights` on the bucket's views (tests/test_paged_engine.py compares them)."""
-
-    def __init__(self, model: Transformer, spec: list, bucket_bytes: int, device):
-        self.spec, self.bucket_bytes = spec, bucket_bytes
-        self.plans = bucket_plan(spec, bucket_bytes)
-        layouts = [bucket_layout(spec, idx) for idx in self.plans]
-        size = max(lay[2] for lay in layouts)
-        self.bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(self.plans)))]
-        self.sizes, self.steps = [lay[2] for lay in layouts], []
-        for k, (idx, (offs, sizes, _)) in enumerate(zip(self.plans, layouts)):
-            buf, copies, convert = self.bufs[k % 2], {}, []
-            for i, o, nb in zip(idx, offs, sizes):
-                name, dt, shape = spec[i]
-                dst, src = weight_target(model, name, buf[o:o + nb].view(_dtype(dt)).reshape(shape))
-                if dst is None:
-                    convert.append(src)
-                elif dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() \
-                        and src.is_contiguous() and dst.device == src.device:
-                    w, d, s = _word_views(dst, src)
-                    pair = copies.setdefault(w, ([], []))
-                    pair[0].append(d)
-                    pair[1].append(s)
-                else:
-                    convert.append(lambda dst=dst, src=src: dst.copy_(src.to(dst.device)))
-            self.steps.append((list(copies.values()), convert))
-
-    def matches(self, spec: list, bucket_bytes: int) -> bool:
-        return bucket_bytes == self.bucket_bytes and spec == self.spec
-
-    @torch.no_grad()
-    def apply(self, k: int):
-        """Bucket k has arrived in bufs[k % 2]: copy it into the engine's tensors."""
-        copies, convert = self.steps[k]
-        for dsts, srcs in copies:
-            torch._foreach_copy_(dsts, srcs)
-        for f in convert:
-            f()
-
-
 def checksum(t: torch.Tensor) -> int:
     """Position-weighted byte sum of a tensor (for verifying a weight sync end to end)."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
@@ -1338,7 +1282,7 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
     for k in range(len(ap.plans) + 1):
         nxt = None
         if k < len(ap.plans):
-            nxt = dist.broadcast(ap.bufs[k % 2][:ap.sizes[k]], driver, group=sync_group, async_op=True)
+            nxt = dist.broadcast(ap.bucket(k), driver, group=sync_group, async_op=True)
         if pending is not None:
             pending.wait()
             ap.apply(k - 1)
@@ -1349,12 +1293,40 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
         send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
 
 
-def pack_bucket(spec: list, idx: list[int], offs: list[int], sizes: list[int], buf: torch.Tensor, it, views: dict):
+def bucket_slots(spec: list, idx: list[int], buf: torch.Tensor) -> dict[int, torch.Tensor]:
+    """spec index -> its tensor's place in the bucket `buf` (laid out by bucket_layout)."""
+    offs, sizes, _ = bucket_layout(spec, idx)
+    return {i: buf[o:o + nb].view(_dtype(spec[i][1])).view(spec[i][2]) for i, o, nb in zip(idx, offs, sizes)}
+
+
+class BucketBuffers:
+    """One weight-sync layout (spec, bucket size) and two persistent bucket buffers: bucket k lives in
+    bufs[k % 2]. The sender's GraphPacker and the receiver's WeightApplier each keep one per layout."""
+
+    def __init__(self, spec: list, bucket_bytes: int, device):
+        self.spec, self.bucket_bytes = spec, bucket_bytes
+        self.plans = bucket_plan(spec, bucket_bytes)
+        layouts = [bucket_layout(spec, idx) for idx in self.plans]
+        self.sizes = [lay[2] for lay in layouts]
+        self.payload = sum(sum(lay[1]) for lay in layouts)  # without the alignment padding
+        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=device)
+                     for _ in range(min(2, len(self.plans)))]
+
+    def matches(self, spec: list, bucket_bytes: int) -> bool:
+        return bucket_bytes == self.bucket_bytes and spec == self.spec
+
+    def bucket(self, k: int) -> torch.Tensor:
+        return self.bufs[k % 2][:self.sizes[k]]
+
+    def slots(self, k: int) -> dict[int, torch.Tensor]:
+        return bucket_slots(self.spec, self.plans[k], self.bucket(k))
+
+
+def pack_bucket(spec: list, idx: list[int], buf: torch.Tensor, it, views: dict):
     """Fill one sync bucket from the producer iterator `it`: views (the dst of the producer) is set to the bucket's
     slots first, so a producer that writes in place costs no copy here."""
     views.clear()
-    for i, o, nb in zip(idx, offs, sizes):
-        views[i] = buf[o:o + nb].view(_dtype(spec[i][1])).view(spec[i][2])
+    views.update(bucket_slots(spec, idx, buf))
     for i in idx:
         t = next(it)
         if list(t.shape) != spec[i][2] or str(t.dtype) != spec[i][1]:
@@ -1364,7 +1336,55 @@ def pack_bucket(spec: list, idx: list[int], offs: list[int], sizes: list[int], b
             views[i].copy_(t)
 
 
-class GraphPacker:
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _word_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Two contiguous tensors of equal size as the widest integer words their size and both addresses allow
+    (the copy kernels then move 8 bytes per element rather than 1)."""
+    nb = dst.numel() * dst.element_size()
+    w = next(w for w in (8, 4, 2, 1) if nb % w == 0 and dst.data_ptr() % w == 0 and src.data_ptr() % w == 0)
+    return w, dst.reshape(-1).view(torch.uint8).view(_INT[w]), src.reshape(-1).view(torch.uint8).view(_INT[w])
+
+
+class WeightApplier(BucketBuffers):
+    """The receiver's side of one weight-sync layout (spec, bucket size), planned once per engine: two persistent
+    bucket buffers (bucket k arrives in buffer k % 2) and, per bucket, the byte copies from the buffer into the
+    engine's tensors grouped into one `torch._foreach_copy_` per element width. Tensors that must be converted on
+    arrival (BF16 sent into FP8 holders) go through `weight_target`'s load, as `update_weights` does.
+
+    Same result as `update_weights` on the bucket's views (tests/test_paged_engine.py compares them)."""
+
+    def __init__(self, model: Transformer, spec: list, bucket_bytes: int, device):
+        super().__init__(spec, bucket_bytes, device)
+        self.steps = []
+        for k in range(len(self.plans)):
+            copies, convert = {}, []
+            for i, view in self.slots(k).items():
+                dst, src = weight_target(model, spec[i][0], view)
+                if dst is None:
+                    convert.append(src)
+                elif dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() \
+                        and src.is_contiguous() and dst.device == src.device:
+                    w, d, s = _word_views(dst, src)
+                    pair = copies.setdefault(w, ([], []))
+                    pair[0].append(d)
+                    pair[1].append(s)
+                else:
+                    convert.append(lambda dst=dst, src=src: dst.copy_(src.to(dst.device)))
+            self.steps.append((list(copies.values()), convert))
+
+    @torch.no_grad()
+    def apply(self, k: int):
+        """Bucket k has arrived in bufs[k % 2]: copy it into the engine's tensors."""
+        copies, convert = self.steps[k]
+        for dsts, srcs in copies:
+            torch._foreach_copy_(dsts, srcs)
+        for f in convert:
+            f()
+
+
+class GraphPacker(BucketBuffers):
     """The sender's side of one weight-sync layout as CUDA graphs: two persistent bucket buffers and, per bucket,
     a graph of the producer's kernels (cast, quantize, copy) writing into buffer k % 2. Captured from one pass of
     the producer (tensors(dst, None)), which must run no collectives and read the same storage on every replay
@@ -1372,23 +1392,18 @@ class GraphPacker:
     (tests/test_gpu.py compares their bytes)."""
 
     def __init__(self, spec: list, bucket_bytes: int, tensors, device):
-        self.spec, self.bucket_bytes = spec, bucket_bytes
-        plans = bucket_plan(spec, bucket_bytes)
-        layouts = [bucket_layout(spec, idx) for idx in plans]
-        self.sizes = [lay[2] for lay in layouts]
-        self.payload = sum(sum(lay[1]) for lay in layouts)
-        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=device) for _ in range(min(2, len(plans)))]
+        super().__init__(spec, bucket_bytes, device)
         self.graphs, views = [], {}
         pool = torch.cuda.graph_pool_handle()  # shared: a tensor split across two buckets is made in one graph
         it = iter(tensors(views.get, None))   # and read by the next, which replays right after it
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for k, (idx, (offs, sizes, _)) in enumerate(zip(plans, layouts)):
+            for k, idx in enumerate(self.plans):
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # NCCL's watchdog polls
                 try:
-                    pack_bucket(spec, idx, offs, sizes, self.bufs[k % 2], it, views)
+                    pack_bucket(spec, idx, self.bucket(k), it, views)
                 finally:
                     graph.capture_end()
                 self.graphs.append(graph)
@@ -1396,13 +1411,10 @@ class GraphPacker:
         if next(it, None) is not None:
             raise ValueError("sync_weights: the producer yields more tensors than the spec names")
 
-    def matches(self, spec: list, bucket_bytes: int) -> bool:
-        return bucket_bytes == self.bucket_bytes and spec == self.spec
-
     def pack(self, k: int) -> torch.Tensor:
         """Replay bucket k's graph; its bytes (for tests)."""
         self.graphs[k].replay()
-        return self.bufs[k % 2][:self.sizes[k]]
+        return self.bucket(k)
 
 
 class RolloutClient:
@@ -1517,7 +1529,7 @@ class RolloutClient:
         for idx in bucket_plan(spec, bucket_bytes):
             offs, sizes, size = bucket_layout(spec, idx)
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding bytes travel unread
-            pack_bucket(spec, idx, offs, sizes, buf, it, views)
+            pack_bucket(spec, idx, buf, it, views)
             inflight.append(dist.broadcast(buf, dist.get_rank(), group=self.sync_group, async_op=True))
             total += sum(sizes)  # payload, without the alignment padding
             if len(inflight) == 2:  # two buffers: wait for the older before packing a third
@@ -1537,8 +1549,7 @@ class RolloutClient:
                     inflight.pop(0).wait()
                 fault_point("sync")
             graph.replay()
-            inflight.append(dist.broadcast(packer.bufs[k % 2][:packer.sizes[k]], dist.get_rank(),
-                                           group=self.sync_group, async_op=True))
+            inflight.append(dist.broadcast(packer.bucket(k), dist.get_rank(), group=self.sync_group, async_op=True))
         with phase("weight sync", f"rollout ranks {self.ranks}"):
             for work in inflight:
                 work.wait()

@@ -6,10 +6,21 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _fixed_seed():
-    """Every test starts from the same global RNG state, whatever ran before it (module fixtures that draw from
-    the global generator included)."""
+    """Every test starts from the same global RNG state, whatever ran before it. (Module-scoped fixtures are set
+    up before this one: they draw from their own seeded generators, as `input_dependent` does.)"""
     random.seed(0)
     torch.manual_seed(0)
+
+
+def input_dependent(model, seed: int = 0):
+    """The model with its matrices (the hyper-connection ones aside) redrawn at 1/sqrt(fan-in), larger than the
+    training init so that attention, the indexer and routing depend on the input; the same weights in every run."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and "hc_" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return model
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import torch
 from model import ModelConfig, build_model
 from model.config import load_yaml
 from rollout_server import EngineExperts, FP8Linear, SamplingParams, SimpleEngine
+from tests.conftest import input_dependent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -13,13 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model():
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
-    m = build_model(cfg, seed=0)
-    g = torch.Generator().manual_seed(0)  # the same weights in every run
-    with torch.no_grad():  # larger than the training init so that attention and routing depend on the input
-        for n, p in m.named_parameters():
-            if p.ndim >= 2 and "hc_" not in n:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return m.eval()
+    return input_dependent(build_model(cfg, seed=0)).eval()
 
 
 def _prompts(lengths, vocab=32, seed=0):

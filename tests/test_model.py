@@ -5,6 +5,7 @@ import torch
 from model import ModelConfig, build_model
 from model.config import load_yaml
 from model.model import Experts
+from tests.conftest import input_dependent
 
 
 @pytest.fixture(scope="module")
@@ -14,13 +15,7 @@ def tiny():
 
 
 def _model(cfg):
-    m = build_model(cfg, seed=0)
-    g = torch.Generator().manual_seed(0)  # the same weights in every run
-    with torch.no_grad():  # larger weights than the training init, so routing depends on the input
-        for name, p in m.named_parameters():
-            if p.ndim >= 2 and "hc_" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return m
+    return input_dependent(build_model(cfg, seed=0))
 
 
 def test_routing_is_returned_and_replay_uses_exactly_the_given_experts(tiny, monkeypatch):

@@ -8,6 +8,7 @@ from kernels.quant import fp8_dtype
 from model.model import Transformer
 from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
                             is_fp8_held, prepare_inference_model, quantize, update_weights)
+from tests.conftest import input_dependent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -15,13 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model():
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
-    m = build_model(cfg, seed=0)
-    g = torch.Generator().manual_seed(0)  # the same weights in every run
-    with torch.no_grad():  # large enough weights that attention, the indexer and routing depend on the input
-        for n, p in m.named_parameters():
-            if p.ndim >= 2 and "hc_" not in n:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return m.eval()
+    return input_dependent(build_model(cfg, seed=0)).eval()
 
 
 def _prompts(lengths, seed=0):

@@ -9,6 +9,7 @@ import torch
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
+from tests.conftest import input_dependent
 
 
 @pytest.mark.parametrize("n, ep, extra", [(1, 1, []), (2, 1, []), (2, 2, []), (4, 2, ["--ckpt"]), (4, 4, [])],
@@ -24,13 +25,8 @@ def test_sharded_actor_equals_single_process(n, ep, extra):
 
 
 def _model():
-    m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"]), seed=0)
-    g = torch.Generator().manual_seed(0)  # the same weights in every run
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if p.ndim >= 2 and "hc_" not in n:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return m
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+    return input_dependent(build_model(cfg, seed=0))
 
 
 def test_grouped_experts_match_the_loop():
