@@ -1104,7 +1104,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
                      "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
                      "time_generate_s": rs["gen_s"], "time_step_s": t3 - t0,
                      "sync_gb_s": sent / max(t3 - t2, 1e-9) / 1e9,
-                     "rollout_tokens_per_s": rs["gen_tokens"] / max(t1 - t0, 1e-9),
+                     "rollout_tokens_per_s": rs["gen_tokens"] / max(rs["gen_s"], 1e-9),  # the engine's own time
                      "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}
                 last = step == cfg.train.steps
                 nonfinite_run = nonfinite_run + 1 if ts["nonfinite_updates"] else 0
