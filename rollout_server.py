@@ -44,8 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.attention import decode_attention, index_scores
-from kernels.fp8_gemm import block_quant, fp8_linear
+from kernels.compress import compress_decode
+from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, use_triton
 from kernels.moe import fused_moe
+from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Experts, Linear, Transformer, attend, hc_post
 from model.weights import FP8_LINEAR, load_pretrained
@@ -99,11 +101,17 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, V: int) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int]):
-    """logits (B, V) fp32 -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits / temperature."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
+           fused: bool = True):
+    """logits (B, V) fp32 -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits / temperature.
+    Without top-k / top-p, GPUs take kernels.sample.gumbel_sample (one pass; same tokens); fused=False forces
+    this torch path, its twin."""
     B, V = logits.shape
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
+    if fused and use_triton(logits) and all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
+        return gumbel_sample(logits.float(), temps, torch.tensor(seeds, device=dev, dtype=torch.int64),
+                             torch.tensor(steps, device=dev, dtype=torch.int64))
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     lp = scaled.log_softmax(-1)
@@ -159,9 +167,7 @@ class FP8Linear(nn.Module):
         if rows % BLOCK or x.shape[-1] % BLOCK:
             w = self.weight.view(G, rows, -1)
             return torch.einsum("...gi,gri->...gr", x, w)
-        r = rows // BLOCK
-        return torch.stack([fp8_linear(x[..., g, :], self.qweight[g * rows:(g + 1) * rows], self.scale[g * r:(g + 1) * r])
-                            for g in range(G)], dim=-2)
+        return fp8_linear_grouped(x, self.qweight, self.scale)
 
     @torch.no_grad()
     def load_(self, w: torch.Tensor):
@@ -747,6 +753,31 @@ class PagedCache:
             self._store_comp(li, seq, st.index, a, b, "i", self.ikeys[li])
 
 
+def compress_step_ref(comp, kv, gate, pos, slots, table, bk, bg, pk, pg, pool, cos, sin):
+    """kernels.compress.compress_decode's torch twin (same arguments, the compressor module in place of its
+    norm): the model's own Compressor.pool over each sequence's window, computed for every sequence and kept
+    where a window completes (the others write block 0, the scratch block)."""
+    r, BE = comp.ratio, pool.shape[1]
+    bk[slots, pos % r] = kv
+    bg[slots, pos % r] = gate
+    done = (pos + 1) % r == 0
+    count = (pos + 1) // r
+    prev = None
+    if comp.overlap:
+        pk_, pg_ = pk[slots], pg[slots]
+        has_prev = (count >= 2)[:, None, None]
+        prev = (pk_, torch.where(has_prev, pg_, torch.full_like(pg_, float("-inf"))))
+    new, last = comp.pool(bk[slots][:, None], bg[slots][:, None], cos[:, None], sin[:, None], prev)
+    e = (count - 1).clamp(min=0)
+    blk = torch.where(done, table.gather(1, (e // BE)[:, None])[:, 0], torch.zeros_like(e))
+    pool[blk, torch.where(done, e % BE, torch.zeros_like(e))] = new[:, 0].to(pool.dtype)
+    if comp.overlap:
+        d = done[:, None, None]
+        pk[slots] = torch.where(d, last[0], pk_)
+        pg[slots] = torch.where(d, last[1], pg_)
+    return count
+
+
 class Runner:
     """The model over the paged cache: eager prefill chunks, batched decode steps (CUDA graphs per bucket)."""
 
@@ -783,31 +814,19 @@ class Runner:
         return head_logits(m, x[0, last]), routing.to(torch.uint8), bounds
 
     # -- decode -----------------------------------------------------------------------------------------
-    def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool):
-        """Write each sequence's new projection row; pool the window for sequences that complete one."""
-        c, r = self.cache, comp.ratio
-        bk, bg = getattr(c, prefix + "buf_kv")[li], getattr(c, prefix + "buf_gate")[li]
-        bk[slots, pos % r] = kv
-        bg[slots, pos % r] = gate
-        done = (pos + 1) % r == 0
-        count = (pos + 1) // r
-        prev = None
-        if comp.overlap:
-            pk, pg = getattr(c, prefix + "prev_kv")[li][slots], getattr(c, prefix + "prev_gate")[li][slots]
-            has_prev = (count >= 2)[:, None, None]
-            prev = (pk, torch.where(has_prev, pg, torch.full_like(pg, float("-inf"))))
-        cos, sin = self.model.rope_compress((pos + 1 - r).clamp(min=0))
-        new, last = comp.pool(bk[slots][:, None], bg[slots][:, None], cos[:, None], sin[:, None], prev)
-        e = (count - 1).clamp(min=0)
-        blk = torch.where(done, table.gather(1, (e // c.BE)[:, None])[:, 0], torch.zeros_like(e))
-        pool[blk, torch.where(done, e % c.BE, torch.zeros_like(e))] = new[:, 0].to(pool.dtype)
-        if comp.overlap:
-            d = done[:, None, None]
-            getattr(c, prefix + "prev_kv")[li][slots] = torch.where(d, last[0], pk)
-            getattr(c, prefix + "prev_gate")[li][slots] = torch.where(d, last[1], pg)
-        return count
+    def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
+        """Write each sequence's new projection row; pool the window for sequences that complete one.
+        wrope: the compress RoPE tables at each window's first position, by ratio (computed once a step)."""
+        c = self.cache
+        args = (kv, gate, pos, slots, table, getattr(c, prefix + "buf_kv")[li], getattr(c, prefix + "buf_gate")[li],
+                getattr(c, prefix + "prev_kv").get(li), getattr(c, prefix + "prev_gate").get(li), pool)
+        if comp.ratio not in wrope:
+            wrope[comp.ratio] = self.model.rope_compress((pos + 1 - comp.ratio).clamp(min=0))
+        if use_triton(kv):
+            return compress_decode(*args, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
+        return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
-    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs):
+    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope):
         c = self.cache
         pr = projections(attn, h, pos, tables)
         W = attn.window
@@ -818,13 +837,13 @@ class Runner:
         else:
             table = tabs[c.kind[li]]
             count = self._compress_step(li, attn.compressor, "", pr["ckv"][0], pr["cgate"][0], pos, slots, table,
-                                        c.entries[li])
+                                        c.entries[li], wrope)
             if attn.indexer is None:
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
                                        count=count)
             else:
                 self._compress_step(li, attn.indexer.compressor, "i", pr["ikv"][0], pr["igate"][0], pos, slots, table,
-                                    c.ikeys[li])
+                                    c.ikeys[li], wrope)
                 S = table.shape[1] * c.BE
                 sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S)
                 top = sc.topk(min(attn.indexer.topk, S), dim=-1).indices
@@ -835,9 +854,10 @@ class Runner:
 
     def _decode_eager(self, ids, pos, slots):
         tabs = {k: t[slots] for k, t in self.cache.tables.items()}
+        wrope = {}
 
         def attention(li, attn, h, tables):
-            return self._decode_attention(li, attn, h, tables, pos, slots, tabs)
+            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
         x, routing = run_layers(self.model, ids, pos, attention)
         return head_logits(self.model, x[0]), routing.to(torch.uint8)
 

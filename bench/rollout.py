@@ -125,6 +125,39 @@ def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
             "decode_tokens_per_s": B * (new_tokens - 1) / (tn - t1)}
 
 
+def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> str:
+    """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same
+    prompts that differ only in `steps` extra decode steps; their difference, per step."""
+    from torch.profiler import ProfilerActivity, profile
+    eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=max_len)
+    prompt = [list(range(1 + i, 65 + i)) for i in range(B)]
+    eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    runs = []
+    for n in (2, 2 + steps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        kern = {}
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA":
+                kern[e.key] = (e.count, e.device_time_total)
+        runs.append((wall, kern))
+    (w0, k0), (w1, k1) = runs
+    rows = sorted(((k1[k][0] - k0.get(k, (0, 0))[0], k1[k][1] - k0.get(k, (0, 0))[1], k) for k in k1),
+                  key=lambda r: -r[1])
+    n_k = sum(r[0] for r in rows) / steps
+    busy = sum(r[1] for r in rows) / steps
+    lines = [f"profile, batch-{B} {'FP8' if fp8 else 'BF16'} decode (graphs): {n_k:.0f} kernels a step, "
+             f"GPU busy {busy:.0f} us a step, wall {1e6 * (w1 - w0) / steps:.0f} us a step"]
+    for cnt, us, k in rows[:30]:
+        lines.append(f"  {us / steps:8.1f} us  {cnt / steps:6.1f}x  {k[:110]}")
+    del eng
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/mini.yaml")
@@ -137,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--long-batch", type=int, default=16)
     ap.add_argument("--long-ctx", default="1024,16384")
     ap.add_argument("--long-gen", type=int, default=128)
-    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of batch-1 decode steps (FP8)")
+    ap.add_argument("--profile", default="", help="B:fp8|bf16,...: the top CUDA kernels of batch-B decode steps")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
@@ -163,17 +196,8 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache()
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=1, max_model_len=max_len, cuda_graphs=False)
-        prompt = [list(range(1, 65))]
-        eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng.generate(prompt, SamplingParams(max_tokens=9, ignore_eos=True))
-        events = prof.key_averages()
-        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
-        print(f"profile: {launches} kernel launches for a 64-token prefill + 8 decode steps (eager)")
-        print(events.table(sort_by="cuda_time_total", row_limit=20), flush=True)
-        del eng
+        for spec in args.profile.split(","):
+            print(profile_decode(model, max_len, int(spec.split(":")[0]), spec.endswith(":fp8")), flush=True)
     if args.long_ctx and args.long_batch:
         ctxs = [int(c) for c in args.long_ctx.split(",")]
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,

@@ -2,6 +2,7 @@
 fp32 accumulation (DeepSeek's W8A8 recipe).
 
     y = fp8_linear(x, qweight, scale)     # x (..., K) bf16/fp32; qweight (N, K) fp8; scale (N/128, K/128) fp32
+    y = fp8_linear_grouped(x, qweight, scale)   # x (..., G, K/G) -> (..., G, N/G), block-diagonal (wo_a)
 
 Triton on CUDA/ROCm (`use_triton(x)`), pure torch elsewhere; both compute
     y[m, n] = sum_kb (xq[m, kb] . wq[n, kb]) * sx[m, kb] * sw[n // 128, kb].
@@ -124,46 +125,61 @@ def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _fp8_gemm_kernel(X, SX, W, SW, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
+    def _fp8_gemm_kernel(X, SX, W, SW, Y, M, N, stride_x, stride_sx, stride_w, stride_y, K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        """G = grid dim 2 independent GEMMs in one launch: group g multiplies x[:, g*K:(g+1)*K] by weight rows
+        [g*N, (g+1)*N) into y[:, g*N:(g+1)*N] (G = 1: the plain GEMM)."""
+        pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         mm, mn = rm < M, rn < N
         nkb = tl.cdiv(K, BLOCK_K)
+        wrow = g * N + rn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kb = k0 // BLOCK_K
-            x = tl.load(X + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=mm[:, None], other=0.0)
-            w = tl.load(W + rn[:, None] * stride_w + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
-            sx = tl.load(SX + rm * nkb + kb, mask=mm, other=0.0)
-            sw = tl.load(SW + (rn // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
+            x = tl.load(X + rm[:, None] * stride_x + g * K + (k0 + rk)[None, :], mask=mm[:, None], other=0.0)
+            w = tl.load(W + wrow[:, None] * stride_w + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
+            sx = tl.load(SX + rm * stride_sx + g * nkb + kb, mask=mm, other=0.0)
+            sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+        tl.store(Y + rm[:, None] * stride_y + g * N + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])
 
 
 def _gemm_blocks(M: int, N: int) -> tuple[int, int]:
-    """Decode shapes are weight-bandwidth bound: keep at least ~2 programs per multiprocessor along N."""
+    """Tile sizes. At decode shapes (mini.yaml's linears, M <= 256) each call is latency-bound; these widths
+    were the fastest of 16/32/64/128 per (M, N) measured by bench/fp8_linear.py on an H200."""
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    bn = 128
-    while bn > 16 and (N + bn - 1) // bn < 256:
-        bn //= 2
-    return bm, bn
+    if M <= 16:
+        return bm, 32
+    if M <= 64:
+        return bm, 16 if N <= 2048 else 32
+    return bm, 16 if N <= 1024 else 64
 
 
-def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16) -> torch.Tensor:
-    M, K = xq.shape
-    N = wq.shape[0]
-    assert K % BLOCK == 0 and wq.shape[1] == K, f"fp8_gemm: x {tuple(xq.shape)} vs w {tuple(wq.shape)}"
-    assert sw.shape == (-(-N // BLOCK), K // BLOCK), f"fp8_gemm: weight scale {tuple(sw.shape)} for w {tuple(wq.shape)}"
+def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int = 1) -> torch.Tensor:
+    """xq (M, G*K) fp8, sx (M, G*K/128); wq (G*N, K) fp8, sw (ceil(G*N/128), K/128) -> (M, G*N): with groups G > 1
+    the block-diagonal product (group g: x's g-th K columns times the g-th N weight rows; N % 128 == 0)."""
+    M, GK = xq.shape
+    GN, K = wq.shape
+    N = GN // groups
+    assert K % BLOCK == 0 and GK == groups * K and (groups == 1 or N % BLOCK == 0), \
+        f"fp8_gemm: x {tuple(xq.shape)} vs w {tuple(wq.shape)} in {groups} groups"
+    assert sw.shape == (-(-GN // BLOCK), K // BLOCK), \
+        f"fp8_gemm: weight scale {tuple(sw.shape)} for w {tuple(wq.shape)}"
     if not use_triton(xq):
-        return fp8_gemm_ref(xq, sx, wq, sw, out_dtype)
-    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+        r = N // BLOCK
+        return torch.cat([fp8_gemm_ref(xq[:, g * K:(g + 1) * K], sx[:, g * (K // BLOCK):(g + 1) * (K // BLOCK)],
+                                       wq[g * N:(g + 1) * N], sw[g * r:(g + 1) * r] if groups > 1 else sw, out_dtype)
+                          for g in range(groups)], 1)
+    y = torch.empty(M, GN, dtype=out_dtype, device=xq.device)
     if M:
-        bm, bn = _gemm_blocks(M, N)
-        _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            xq, sx.contiguous(), wq, sw.contiguous(), y, M, N, xq.stride(0), wq.stride(0), y.stride(0), K=K,
+        bm, bn = blocks or _gemm_blocks(M, N)
+        sx = sx.contiguous()
+        _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), groups)](
+            xq, sx, wq, sw.contiguous(), y, M, N, xq.stride(0), sx.stride(0), wq.stride(0), y.stride(0), K=K,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
     return y
 
@@ -177,3 +193,17 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """x (..., G, K/G) -> (..., G, N/G): the block-diagonal product with the G row groups of the weight (N/G and
+    K/G multiples of 128): one act_quant over the G*K/G row (its 1x128 tiles never straddle groups) and one
+    grouped GEMM launch; fused=False runs one fp8_linear per group (the twin)."""
+    G, Kg = x.shape[-2:]
+    rows, r = wq.shape[0] // G, wq.shape[0] // G // BLOCK
+    if not fused:
+        return torch.stack([fp8_linear(x[..., g, :], wq[g * rows:(g + 1) * rows], sw[g * r:(g + 1) * r])
+                            for g in range(G)], dim=-2)
+    x2 = x.reshape(-1, G * Kg)
+    xq, sx = act_quant(x2, wq.dtype)
+    return fp8_gemm(xq, sx, wq, sw, x.dtype, groups=G).view(*x.shape[:-1], rows)

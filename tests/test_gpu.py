@@ -47,6 +47,18 @@ def test_fp8_gemm(M, N, K):
     assert rel(fp8_gemm(xq, sx, wq, ws, torch.float32), fp8_gemm_ref(xq, sx, wq, ws)) < 1e-3
 
 
+@pytest.mark.parametrize("M", [1, 16, 100, 256])
+@pytest.mark.parametrize("N,K,G", [(2048, 2048, 4), (1024, 512, 2)])
+def test_fp8_linear_grouped(M, N, K, G):
+    """wo_a's block-diagonal FP8 product in one grouped launch against one fp8_linear per group."""
+    from kernels.fp8_gemm import fp8_linear_grouped
+    f8 = fp8_dtype("cuda")
+    x = torch.randn(M, G, K // G, device="cuda", dtype=torch.bfloat16) * 2
+    wq, ws = quant_fp8_block(torch.randn(N, K // G, device="cuda") * 0.02, f8, scale_fmt="fp32")
+    got, want = fp8_linear_grouped(x, wq, ws), fp8_linear_grouped(x, wq, ws, fused=False)
+    assert got.shape == want.shape and rel(got, want) < 1e-3
+
+
 @pytest.mark.parametrize("T", [1, 64, 256])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_fused_moe(T, fp8):
@@ -118,6 +130,24 @@ def test_fused_hc_and_norms(n):
     norm = RMSNorm(512, 1e-6).cuda()
     norm.weight.data.normal_(generator=g)
     assert rel(fused.rms_norm(xb, norm.weight, 1e-6), norm(xb)) < 1e-2
+
+
+@pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
+    (4, True, 512, 64, torch.bfloat16), (4, True, 128, 64, torch.float32), (128, False, 512, 64, torch.bfloat16),
+    (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])
+def test_compress_decode(ratio, overlap, hd, rd, dtype):
+    from tests.kernel_cases import compress_decode_case
+    d = compress_decode_case("cuda", ratio, overlap, hd, rd, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert d.pop("count") == 0 and d.pop("pool") <= tol * d.pop("pool_ref_scale") and max(d.values()) == 0, d
+
+
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_gumbel_sample_kernel(B):
+    """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log)."""
+    from tests.kernel_cases import sample_case
+    bad, dlp = sample_case("cuda", B, 129280)
+    assert bad == 0 and dlp < 1e-4, (bad, dlp)
 
 
 def test_engine_graphs_match_eager_and_simple():

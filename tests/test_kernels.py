@@ -88,6 +88,11 @@ INTERPRETED = textwrap.dedent("""
     xq, sx = act_quant_ref(x, torch.float8_e4m3fn)
     wq, ws = quant_fp8_block(w, torch.float8_e4m3fn, scale_fmt="fp32")
     assert (fp8_gemm(xq, sx, wq, ws, torch.float32) - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
+    # two groups in one launch (wo_a's block-diagonal product) against one GEMM per group
+    w2q, w2s = quant_fp8_block(torch.randn(256, 128, generator=g) * 0.05, torch.float8_e4m3fn, scale_fmt="fp32")
+    y2 = torch.cat([fp8_gemm_ref(xq[:, 128 * i:128 * (i + 1)], sx[:, i:i + 1], w2q[128 * i:128 * (i + 1)],
+                                 w2s[i:i + 1]) for i in range(2)], 1)
+    assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, groups=2) - y2).abs().max() < 1e-4
     from kernels.fp8_gemm import block_quant
     for wb in (torch.randn(300, 200, generator=g) * 0.1, torch.randn(3, 130, 256, generator=g)):
         q, s = block_quant(wb, torch.float8_e4m3fn)
@@ -140,6 +145,15 @@ INTERPRETED = textwrap.dedent("""
     norm.weight.data.normal_(generator=g)
     assert (fused.rms_norm(xb, None, 1e-6) - rms_unweighted(xb, 1e-6)).abs().max() < 1e-5
     assert (fused.rms_norm(xb, norm.weight, 1e-6) - norm(xb)).abs().max() < 1e-5
+    from tests.kernel_cases import compress_decode_case
+    for ratio, overlap, hd, rd in ((4, True, 32, 8), (3, True, 16, 4), (9, True, 16, 8), (8, False, 32, 8),
+                                   (20, False, 16, 16)):
+        d = compress_decode_case("cpu", ratio, overlap, hd, rd)
+        assert d.pop("count") == 0 and d.pop("pool") < 1e-5 * d.pop("pool_ref_scale") and max(d.values()) == 0, d
+    from tests.kernel_cases import sample_case
+    for B, V in ((5, 1000), (3, 5000), (2, 50)):
+        bad, dlp = sample_case("cpu", B, V)
+        assert bad == 0 and dlp < 1e-4, (B, V, bad, dlp)
     print("ok")
 """)
 

@@ -1,0 +1,106 @@
+"""The sampler's one pass over the vocabulary: temperature, counter-based Gumbel noise, argmax, log-prob.
+
+    tok, lp = gumbel_sample(logits, temps, seeds, steps)
+        logits (B, V) fp32; temps (B,) fp32 (0 = greedy); seeds, steps (B,) int64
+        -> tok (B,) int64 = argmax_v(logits / t + g(seed, step, v)) (greedy: argmax logits),
+           lp (B,) fp32 = log_softmax(logits / t)[tok]
+
+g is rollout_server.gumbel_noise, recomputed in registers (the same int64 hash, IEEE division and libdevice log,
+so the tokens are bit-identical to the torch twin, rollout_server.sample, which materializes (B, V) noise through
+~25 elementwise kernels). Two launches: SPLIT programs per row reduce slices of the vocabulary, one more
+combines them (the earliest index wins ties, as torch.argmax).
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_gemm import triton
+
+if triton is not None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _mix32(x):
+        x = x & 0xFFFFFFFF
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        return (x >> 16) ^ x
+
+    @triton.jit
+    def _sample_part_kernel(LOGITS, TEMP, SEEDS, STEPS, PART, V, stride, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        b, sp = tl.program_id(0), tl.program_id(1)
+        t = tl.load(TEMP + b)
+        greedy = t == 0
+        t = tl.where(greedy, 1.0, t)
+        seed = tl.load(SEEDS + b)
+        h0 = _mix32(seed ^ _mix32(tl.load(STEPS + b) * 0x27D4EB2D + 0x165667B1))
+        hi = seed >> 32
+        best = tl.full((), float("-inf"), tl.float32)
+        best_i = tl.full((), 0, tl.int64)
+        best_s = tl.full((), float("-inf"), tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.full((), 0.0, tl.float32)
+        for i in range(0, CHUNK, BLOCK):
+            c0 = sp * CHUNK + i
+            v = c0 + tl.arange(0, BLOCK)
+            mv = v < V
+            s = tl.div_rn(tl.load(LOGITS + b * stride + v, mask=mv, other=float("-inf")), t)
+            h = _mix32(h0 ^ _mix32(v.to(tl.int64) * 0x9E3779B1 + hi))
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+            if LIBDEVICE:  # the log torch's CUDA/HIP kernels use (the interpreter has none: numpy's)
+                g = -libdevice.log(-libdevice.log(u))
+            else:
+                g = -tl.log(-tl.log(u))
+            val = tl.where(mv, tl.where(greedy, s, s + g), float("-inf"))
+            cmax, ci = tl.max(val, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = cmax > best
+            best_s = tl.where(take, tl.sum(tl.where(v - c0 == ci, s, 0.0), 0), best_s)
+            best_i = tl.where(take, (c0 + ci).to(tl.int64), best_i)
+            best = tl.where(take, cmax, best)
+            cm = tl.maximum(m, tl.max(s, 0))
+            cm0 = tl.where(cm == float("-inf"), 0.0, cm)  # a slice past the vocabulary's end
+            l = l * tl.exp(m - cm0) + tl.sum(tl.where(mv, tl.exp(s - cm0), 0.0), 0)
+            m = cm
+        base = PART + (b * SPLIT + sp) * 5
+        tl.store(base, best)
+        tl.store(base + 1, best_i.to(tl.float32))  # exact: V < 2^24
+        tl.store(base + 2, best_s)
+        tl.store(base + 3, m)
+        tl.store(base + 4, l)
+
+    @triton.jit
+    def _sample_combine_kernel(PART, TOK, LP, SPLIT: tl.constexpr, SP2: tl.constexpr):
+        b = tl.program_id(0)
+        r = tl.arange(0, SP2)
+        mr = r < SPLIT
+        base = PART + (b * SPLIT + r) * 5
+        best = tl.load(base, mask=mr, other=float("-inf"))
+        bi = tl.load(base + 1, mask=mr, other=0.0)
+        bs = tl.load(base + 2, mask=mr, other=0.0)
+        m = tl.load(base + 3, mask=mr, other=float("-inf"))
+        l = tl.load(base + 4, mask=mr, other=0.0)
+        top, k = tl.max(best, 0, return_indices=True, return_indices_tie_break_left=True)  # slices in vocab order
+        mm = tl.max(m, 0)
+        lse = mm + tl.log(tl.sum(tl.where(mr, l * tl.exp(m - mm), 0.0), 0))
+        tl.store(TOK + b, tl.sum(tl.where(r == k, bi, 0.0), 0).to(tl.int64))
+        tl.store(LP + b, tl.sum(tl.where(r == k, bs, 0.0), 0) - lse)
+
+
+def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  block: int = 2048, split: int | None = None):
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and V < 2 ** 24
+    split = split or max(1, min(32, -(-V // (4 * block))))
+    chunk = -(-V // (split * block)) * block
+    part = torch.empty(B, split, 5, dtype=torch.float32, device=logits.device)
+    tok = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B:
+        logits = logits.contiguous()
+        _sample_part_kernel[(B, split)](logits, temps.float().contiguous(), seeds, steps, part, V, logits.stride(0),
+                                        SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
+                                        num_warps=8)
+        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=1 << max(0, (split - 1).bit_length()))
+    return tok, lp

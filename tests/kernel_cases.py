@@ -1,0 +1,65 @@
+"""Kernel-vs-twin cases shared by the Triton-interpreter test (CPU) and the GPU tests."""
+from types import SimpleNamespace
+
+import torch
+
+
+def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, pool_dtype=torch.float32,
+                         seed: int = 0) -> dict:
+    """kernels.compress.compress_decode against rollout_server.compress_step_ref on one batch of sequences at
+    window-completing and mid-window positions (with and without a previous window). -> max differences."""
+    from kernels.compress import compress_decode
+    from model.model import Compressor
+    from rollout_server import compress_step_ref
+    g = torch.Generator().manual_seed(seed)
+    comp = Compressor(SimpleNamespace(hidden_size=16, rms_norm_eps=1e-6), ratio, hd, overlap)
+    comp.norm.weight.data = torch.rand(hd, generator=g) + 0.5
+    comp = comp.to(device)
+    width = 2 * hd if overlap else hd
+    S, BE, n_blocks = 8, 2, 24
+    r = ratio
+    # done with no previous window, done with one, mid-window, done later, a scratch-slot row at position 0
+    pos = torch.tensor([r - 1, 2 * r - 1, 2 * r + 1, 4 * r - 1, 0, 3 * r - 1])
+    slots = torch.tensor([0, 3, 1, 5, S - 1, 2])
+    B = len(pos)
+    table = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:4] + 1 for _ in range(B)])
+    kv, gate = torch.randn(B, width, generator=g), torch.randn(B, width, generator=g)
+    state = [torch.randn(S, r, width, generator=g), torch.randn(S, r, width, generator=g)]
+    state += [torch.randn(S, r, hd, generator=g), torch.randn(S, r, hd, generator=g)] if overlap else [None, None]
+    pool = torch.randn(n_blocks, BE, hd, generator=g).to(pool_dtype)
+    ang = torch.rand(B, rd // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    dev = [t.to(device) if t is not None else None for t in (kv, gate, pos, slots, table, cos, sin)]
+    kv, gate, pos, slots, table, cos, sin = dev
+    runs = []
+    for fused in (True, False):
+        st = [t.clone().to(device) if t is not None else None for t in state + [pool]]
+        args = (kv, gate, pos, slots, table, *st)
+        with torch.no_grad():
+            count = (compress_decode(*args, comp.norm.weight, comp.norm.eps, cos, sin) if fused else
+                     compress_step_ref(comp, *args, cos, sin))
+        runs.append((count, st))
+    (c1, s1), (c2, s2) = runs
+    out = {"count": int((c1 != c2).sum()),
+           # block 0 is scratch: the twin writes there for sequences that complete no window
+           "pool": (s1[4][1:].float() - s2[4][1:].float()).abs().max().item(),
+           "pool_ref_scale": s2[4][1:].float().abs().max().item()}
+    for name, a, b in zip(("buf_kv", "buf_gate", "prev_kv", "prev_gate"), s1[:4], s2[:4]):
+        if a is not None:
+            out[name] = (a - b).abs().max().item()
+    return out
+
+
+def sample_case(device, B: int, V: int, seed: int = 0) -> tuple[int, float]:
+    """rollout_server.sample's one-pass kernel against its torch path, greedy rows and temperatures mixed.
+    -> (rows whose token differs, max log-prob difference)."""
+    from rollout_server import SamplingParams, sample
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V, generator=g) * 3).to(device)
+    logits[0, V // 3] = 100.0  # row 0 is greedy: a clear winner
+    params = [SamplingParams(temperature=t) for t in ([0.0, 1.0, 0.7, 1.3] * B)[:B]]
+    seeds = torch.randint(0, 2 ** 62, (B,), generator=g).tolist()
+    steps = list(range(3, 3 + B))
+    t1, l1 = sample(logits, params, seeds, steps)
+    t2, l2 = sample(logits, params, seeds, steps, fused=False)
+    return int((t1 != t2).sum()), (l1 - l2).abs().max().item()
