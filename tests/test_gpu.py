@@ -142,6 +142,13 @@ def test_compress_decode(ratio, overlap, hd, rd, dtype):
     assert d.pop("count") == 0 and d.pop("pool") <= tol * d.pop("pool_ref_scale") and max(d.values()) == 0, d
 
 
+@pytest.mark.parametrize("T,k,E,absent", [(1, 6, 32, 0), (64, 6, 32, 0), (256, 6, 32, 0.25), (512, 8, 256, 0.5),
+                                          (3000, 6, 32, 0), (0, 6, 32, 0)])
+def test_moe_align_kernel(T, k, E, absent):
+    from tests.kernel_cases import moe_align_case
+    assert moe_align_case("cuda", T, k, E, absent)
+
+
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_gumbel_sample_kernel(B):
     """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log)."""

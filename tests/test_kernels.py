@@ -150,6 +150,9 @@ INTERPRETED = textwrap.dedent("""
                                    (20, False, 16, 16)):
         d = compress_decode_case("cpu", ratio, overlap, hd, rd)
         assert d.pop("count") == 0 and d.pop("pool") < 1e-5 * d.pop("pool_ref_scale") and max(d.values()) == 0, d
+    from tests.kernel_cases import moe_align_case
+    for T, k, E, absent in ((1, 6, 32, 0), (5, 2, 4, 0), (300, 6, 32, 0.3), (17, 8, 256, 0.5), (0, 2, 4, 0)):
+        assert moe_align_case("cpu", T, k, E, absent), (T, k, E, absent)
     from tests.kernel_cases import sample_case
     for B, V in ((5, 1000), (3, 5000), (2, 50)):
         bad, dlp = sample_case("cpu", B, V)
