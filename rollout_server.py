@@ -379,16 +379,21 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     return CompState(kv[c * r:], gate[c * r:], prev, entries)
 
 
-def projections(attn, h, pos, tables):
-    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D)."""
+def projections(attn, h, pos, tables, raw: bool = False):
+    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
+    compressors' kv / gate as their linears give them (no fp32 copy, no position bias; the decode step's
+    compress kernel applies both)."""
     cos, sin = tables[attn.rope_kind]
     q, q_res = attn.project_q(h, cos, sin)
     pr = {"q": q, "kv": attn.project_kv(h, cos, sin)[0]}
+
+    def comp(c):
+        return (c.wkv(h), c.wgate(h)) if raw else c.project(h, pos)
     if attn.compressor is not None:
-        pr["ckv"], pr["cgate"] = attn.compressor.project(h, pos)
+        pr["ckv"], pr["cgate"] = comp(attn.compressor)
     if attn.indexer is not None:
         pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"])
-        pr["ikv"], pr["igate"] = attn.indexer.compressor.project(h, pos)
+        pr["ikv"], pr["igate"] = comp(attn.indexer.compressor)
     return pr
 
 
@@ -755,9 +760,11 @@ class PagedCache:
 
 def compress_step_ref(comp, kv, gate, pos, slots, table, bk, bg, pk, pg, pool, cos, sin):
     """kernels.compress.compress_decode's torch twin (same arguments, the compressor module in place of its
-    norm): the model's own Compressor.pool over each sequence's window, computed for every sequence and kept
-    where a window completes (the others write block 0, the scratch block)."""
+    position bias and norm): Compressor.project's fp32 conversion and bias, then the model's own
+    Compressor.pool over each sequence's window, computed for every sequence and kept where a window completes
+    (the others write block 0, the scratch block)."""
     r, BE = comp.ratio, pool.shape[1]
+    kv, gate = kv.float(), gate.float() + comp.ape[pos % r]
     bk[slots, pos % r] = kv
     bg[slots, pos % r] = gate
     done = (pos + 1) % r == 0
@@ -815,7 +822,8 @@ class Runner:
 
     # -- decode -----------------------------------------------------------------------------------------
     def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
-        """Write each sequence's new projection row; pool the window for sequences that complete one.
+        """Write each sequence's new projection row (kv, gate as the compressor's linears give them); pool the
+        window for sequences that complete one.
         wrope: the compress RoPE tables at each window's first position, by ratio (computed once a step)."""
         c = self.cache
         args = (kv, gate, pos, slots, table, getattr(c, prefix + "buf_kv")[li], getattr(c, prefix + "buf_gate")[li],
@@ -823,12 +831,12 @@ class Runner:
         if comp.ratio not in wrope:
             wrope[comp.ratio] = self.model.rope_compress((pos + 1 - comp.ratio).clamp(min=0))
         if use_triton(kv):
-            return compress_decode(*args, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
+            return compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
     def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope):
         c = self.cache
-        pr = projections(attn, h, pos, tables)
+        pr = projections(attn, h, pos, tables, raw=True)
         W = attn.window
         c.win[li][slots, pos % W] = pr["kv"].to(c.win[li].dtype)
         q = pr["q"][0]

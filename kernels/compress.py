@@ -1,12 +1,12 @@
 """One decode step of a KV compressor over paged state, in one kernel per layer (all sequences of the batch).
 
     count = compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev_gate, pool,
-                            norm_w, eps, cos, sin)
+                            ape, norm_w, eps, cos, sin)
 
-Each sequence b writes its projections kv[b], gate[b] (width,) fp32 (gate including the position bias) into row
-pos % r of its partial window buf_kv/buf_gate[slot] (n_slots, r, width). When the token completes a window
-((pos + 1) % r == 0) the window is pooled: per channel, softmax over the window's rows of the gate, weighted sum of
-kv; with overlap (CSA: prev_kv/prev_gate (n_slots, r, hd) given, width = 2 hd) the rows are the previous window's
+Each sequence b writes its projections kv[b], gate[b] (width,) (any float dtype, as the linears give them) into
+row pos % r of its partial window buf_kv/buf_gate[slot] (n_slots, r, width) fp32, the gate plus its position
+bias ape[pos % r] (r, width). When the token completes a window ((pos + 1) % r == 0) the window is pooled: per
+channel, softmax over the window's rows of the gate, weighted sum of kv; with overlap (CSA: prev_kv/prev_gate (n_slots, r, hd) given, width = 2 hd) the rows are the previous window's
 first series (only when a previous window exists) and this window's second series, and this window's first
 series becomes the new prev. The pooled vector is RMS-normed (norm_w, eps), its last 2 * cos.shape[1] channels
 rotated in interleaved pairs by cos/sin (B, rd/2) (the window's first position), and stored as entry
@@ -25,7 +25,7 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _compress_decode_kernel(KV, GATE, POS, SLOTS, TABLE, BK, BG, PK, PG, POOL, NW, COS, SIN, COUNT, eps,
+    def _compress_decode_kernel(KV, GATE, POS, SLOTS, TABLE, BK, BG, PK, PG, POOL, APE, NW, COS, SIN, COUNT, eps,
                                 max_blocks, R: tl.constexpr, WIDTH: tl.constexpr, HD: tl.constexpr,
                                 RD: tl.constexpr, BE: tl.constexpr, OVERLAP: tl.constexpr, BW: tl.constexpr,
                                 BR: tl.constexpr, HALF: tl.constexpr):
@@ -38,8 +38,9 @@ if triton is not None:
         for w0 in range(0, WIDTH, BW):  # this token's row of the partial window
             rw = w0 + tl.arange(0, BW)
             mw = rw < WIDTH
-            tl.store(BK + row * WIDTH + rw, tl.load(KV + b * WIDTH + rw, mask=mw), mask=mw)
-            tl.store(BG + row * WIDTH + rw, tl.load(GATE + b * WIDTH + rw, mask=mw), mask=mw)
+            tl.store(BK + row * WIDTH + rw, tl.load(KV + b * WIDTH + rw, mask=mw).to(tl.float32), mask=mw)
+            g = tl.load(GATE + b * WIDTH + rw, mask=mw).to(tl.float32) + tl.load(APE + (p % R) * WIDTH + rw, mask=mw)
+            tl.store(BG + row * WIDTH + rw, g, mask=mw)
         if (p + 1) % R == 0:
             tl.debug_barrier()  # the row just stored is read back by other threads of this program
             j = tl.arange(0, HALF)  # channel pairs (2j, 2j + 1): even and odd channels kept apart for RoPE
@@ -114,8 +115,8 @@ def _p2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev_gate, pool, norm_w, eps: float,
-                    cos, sin):
+def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev_gate, pool, ape, norm_w,
+                    eps: float, cos, sin):
     """See the module docstring. Needs Triton (GPU, or TRITON_INTERPRET=1); every tensor contiguous."""
     assert use_triton(kv), "compress_decode runs on Triton; the torch twin is rollout_server.compress_step_ref"
     B, width = kv.shape
@@ -128,7 +129,7 @@ def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev
         pg = prev_gate if overlap else buf_gate
         _compress_decode_kernel[(B,)](
             kv.contiguous(), gate.contiguous(), pos, slots, table.contiguous(), buf_kv, buf_gate, pk, pg, pool,
-            norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], R=R, WIDTH=width, HD=hd,
-            RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, _p2(width)),
+            ape.contiguous(), norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], R=R,
+            WIDTH=width, HD=hd, RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, _p2(width)),
             BR=min(_p2(2 * R if overlap else R), 16), HALF=_p2(hd // 2), num_warps=4)
     return count

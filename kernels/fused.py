@@ -143,6 +143,28 @@ def hc_post(out, x, post, comb):
     return y
 
 
+if triton is not None:
+    @triton.jit
+    def _swiglu_kernel(G, U, Y, n, limit, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.minimum(tl.load(G + i, mask=m, other=0.0).to(tl.float32), limit)
+        u = tl.load(U + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # silu in x's dtype, as torch rounds it
+        tl.store(Y + i, (s * u).to(Y.dtype.element_ty), mask=m)
+
+
+def swiglu(g, u, limit: float):
+    """The fused twin of model._swiglu: silu(g.clamp(max=limit)) * u.clamp(-limit, limit), one pass."""
+    gc, uc = g.contiguous(), u.contiguous()
+    y = torch.empty_like(gc)
+    n = gc.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, 1024),)](gc, uc, y, n, float(limit), BLOCK=1024, num_warps=4)
+    return y
+
+
 def rms_norm(x, weight, eps: float):
     D = x.shape[-1]
     xc = x.contiguous()

@@ -411,6 +411,8 @@ class Gate(nn.Module):
 
 
 def swiglu(gate, up, limit: float):
+    if fused_ok(gate):
+        return fused.swiglu(gate, up, limit)
     return IMPL["swiglu"](gate, up, limit)
 
 

@@ -5,7 +5,7 @@ import torch
 
 
 def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, pool_dtype=torch.float32,
-                         seed: int = 0) -> dict:
+                         seed: int = 0, in_dtype=torch.float32) -> dict:
     """kernels.compress.compress_decode against rollout_server.compress_step_ref on one batch of sequences at
     window-completing and mid-window positions (with and without a previous window). -> max differences."""
     from kernels.compress import compress_decode
@@ -14,6 +14,7 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
     g = torch.Generator().manual_seed(seed)
     comp = Compressor(SimpleNamespace(hidden_size=16, rms_norm_eps=1e-6), ratio, hd, overlap)
     comp.norm.weight.data = torch.rand(hd, generator=g) + 0.5
+    comp.ape.data = torch.randn(comp.ape.shape, generator=g)
     comp = comp.to(device)
     width = 2 * hd if overlap else hd
     S, BE, n_blocks = 8, 2, 24
@@ -23,7 +24,7 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
     slots = torch.tensor([0, 3, 1, 5, S - 1, 2])
     B = len(pos)
     table = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:4] + 1 for _ in range(B)])
-    kv, gate = torch.randn(B, width, generator=g), torch.randn(B, width, generator=g)
+    kv, gate = torch.randn(B, width, generator=g).to(in_dtype), torch.randn(B, width, generator=g).to(in_dtype)
     state = [torch.randn(S, r, width, generator=g), torch.randn(S, r, width, generator=g)]
     state += [torch.randn(S, r, hd, generator=g), torch.randn(S, r, hd, generator=g)] if overlap else [None, None]
     pool = torch.randn(n_blocks, BE, hd, generator=g).to(pool_dtype)
@@ -36,7 +37,7 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
         st = [t.clone().to(device) if t is not None else None for t in state + [pool]]
         args = (kv, gate, pos, slots, table, *st)
         with torch.no_grad():
-            count = (compress_decode(*args, comp.norm.weight, comp.norm.eps, cos, sin) if fused else
+            count = (compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, cos, sin) if fused else
                      compress_step_ref(comp, *args, cos, sin))
         runs.append((count, st))
     (c1, s1), (c2, s2) = runs

@@ -130,6 +130,10 @@ def test_fused_hc_and_norms(n):
     norm = RMSNorm(512, 1e-6).cuda()
     norm.weight.data.normal_(generator=g)
     assert rel(fused.rms_norm(xb, norm.weight, 1e-6), norm(xb)) < 1e-2
+    from model.model import _swiglu
+    gs, us = [(torch.randn(2, 64, 1024, device="cuda", generator=g) * 6).bfloat16() for _ in range(2)]
+    # the same bf16 roundings as torch: at most one ulp apart
+    assert rel(fused.swiglu(gs, us, 10.0), _swiglu(gs, us, 10.0)) < 1e-2
 
 
 @pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
@@ -137,7 +141,7 @@ def test_fused_hc_and_norms(n):
     (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])
 def test_compress_decode(ratio, overlap, hd, rd, dtype):
     from tests.kernel_cases import compress_decode_case
-    d = compress_decode_case("cuda", ratio, overlap, hd, rd, dtype)
+    d = compress_decode_case("cuda", ratio, overlap, hd, rd, dtype, in_dtype=torch.bfloat16)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert d.pop("count") == 0 and d.pop("pool") <= tol * d.pop("pool_ref_scale") and max(d.values()) == 0, d
 

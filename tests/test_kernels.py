@@ -145,10 +145,13 @@ INTERPRETED = textwrap.dedent("""
     norm.weight.data.normal_(generator=g)
     assert (fused.rms_norm(xb, None, 1e-6) - rms_unweighted(xb, 1e-6)).abs().max() < 1e-5
     assert (fused.rms_norm(xb, norm.weight, 1e-6) - norm(xb)).abs().max() < 1e-5
+    from model.model import _swiglu
+    gs, us = torch.randn(6, 300, generator=g) * 6, torch.randn(6, 300, generator=g) * 6
+    assert (fused.swiglu(gs, us, 10.0) - _swiglu(gs, us, 10.0)).abs().max() < 1e-4
     from tests.kernel_cases import compress_decode_case
     for ratio, overlap, hd, rd in ((4, True, 32, 8), (3, True, 16, 4), (9, True, 16, 8), (8, False, 32, 8),
                                    (20, False, 16, 16)):
-        d = compress_decode_case("cpu", ratio, overlap, hd, rd)
+        d = compress_decode_case("cpu", ratio, overlap, hd, rd, in_dtype=torch.bfloat16 if ratio % 2 else torch.float32)
         assert d.pop("count") == 0 and d.pop("pool") < 1e-5 * d.pop("pool_ref_scale") and max(d.values()) == 0, d
     from tests.kernel_cases import moe_align_case
     for T, k, E, absent in ((1, 6, 32, 0), (5, 2, 4, 0), (300, 6, 32, 0.3), (17, 8, 256, 0.5), (0, 2, 4, 0)):
