@@ -109,7 +109,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     B, V = logits.shape
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
-    if fused and use_triton(logits) and all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    if fused and use_triton(logits) and not filtered:
         return gumbel_sample(logits.float(), temps, torch.tensor(seeds, device=dev, dtype=torch.int64),
                              torch.tensor(steps, device=dev, dtype=torch.int64))
     greedy = temps == 0
@@ -118,7 +119,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     masked = scaled
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+    if filtered:
         srt, order = masked.sort(-1, descending=True)
         keep = torch.ones_like(srt, dtype=torch.bool)
         ks = torch.tensor([k if k > 0 else V for k in top_k], device=dev)
@@ -764,7 +765,7 @@ def compress_step_ref(comp, kv, gate, pos, slots, table, bk, bg, pk, pg, pool, c
     Compressor.pool over each sequence's window, computed for every sequence and kept where a window completes
     (the others write block 0, the scratch block)."""
     r, BE = comp.ratio, pool.shape[1]
-    kv, gate = kv.float(), gate.float() + comp.ape[pos % r]
+    kv, gate = comp.biased(kv, gate, pos)
     bk[slots, pos % r] = kv
     bg[slots, pos % r] = gate
     done = (pos + 1) % r == 0

@@ -6,11 +6,12 @@
 Each sequence b writes its projections kv[b], gate[b] (width,) (any float dtype, as the linears give them) into
 row pos % r of its partial window buf_kv/buf_gate[slot] (n_slots, r, width) fp32, the gate plus its position
 bias ape[pos % r] (r, width). When the token completes a window ((pos + 1) % r == 0) the window is pooled: per
-channel, softmax over the window's rows of the gate, weighted sum of kv; with overlap (CSA: prev_kv/prev_gate (n_slots, r, hd) given, width = 2 hd) the rows are the previous window's
-first series (only when a previous window exists) and this window's second series, and this window's first
-series becomes the new prev. The pooled vector is RMS-normed (norm_w, eps), its last 2 * cos.shape[1] channels
-rotated in interleaved pairs by cos/sin (B, rd/2) (the window's first position), and stored as entry
-count - 1 = (pos + 1) // r - 1 of the sequence's paged pool (n_blocks, BE, hd) through table (B, max_blocks).
+channel, softmax over the window's rows of the gate, weighted sum of kv; with overlap (CSA: prev_kv/prev_gate
+(n_slots, r, hd) given, width = 2 hd) the rows are the previous window's first series (only when a previous
+window exists) and this window's second series, and this window's first series becomes the new prev. The pooled
+vector is RMS-normed (norm_w, eps), its last 2 * cos.shape[1] channels rotated in interleaved pairs by cos/sin
+(B, rd/2) (the window's first position), and stored as entry count - 1 = (pos + 1) // r - 1 of the sequence's
+paged pool (n_blocks, BE, hd) through table (B, max_blocks).
 Returns count (B,) int64, the entries each sequence has.
 
 The torch twin is rollout_server.compress_step_ref (the model's own Compressor.pool); CPU runs it.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import triton, use_triton
+from .fp8_gemm import pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -111,10 +112,6 @@ if triton is not None:
                     tl.store(PG + slot * R * HD + idx, tl.load(BG + src, mask=mi), mask=mi)
 
 
-def _p2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev_gate, pool, ape, norm_w,
                     eps: float, cos, sin):
     """See the module docstring. Needs Triton (GPU, or TRITON_INTERPRET=1); every tensor contiguous."""
@@ -130,6 +127,6 @@ def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev
         _compress_decode_kernel[(B,)](
             kv.contiguous(), gate.contiguous(), pos, slots, table.contiguous(), buf_kv, buf_gate, pk, pg, pool,
             ape.contiguous(), norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], R=R,
-            WIDTH=width, HD=hd, RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, _p2(width)),
-            BR=min(_p2(2 * R if overlap else R), 16), HALF=_p2(hd // 2), num_warps=4)
+            WIDTH=width, HD=hd, RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, pow2(width)),
+            BR=min(pow2(2 * R if overlap else R), 16), HALF=pow2(hd // 2), num_warps=4)
     return count

@@ -22,6 +22,11 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1): Triton block sizes."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU)."""
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

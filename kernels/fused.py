@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import triton, use_triton
+from .fp8_gemm import pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -20,10 +20,6 @@ if triton is not None:
 def fused_ok(x: torch.Tensor) -> bool:
     """Inference engines (torch.inference_mode) on a GPU: training and the actor's scoring keep the torch ops."""
     return use_triton(x) and torch.is_inference_mode_enabled()
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
@@ -126,8 +122,8 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
     if N:
         _hc_pre_kernel[(N,)](xf, raw.contiguous(), base.float().contiguous(), scale.float().contiguous(),
-                             coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=_p2(n),
-                             MIXP=_p2((2 + n) * n), BLOCK=1024, num_warps=4)
+                             coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=pow2(n),
+                             MIXP=pow2((2 + n) * n), BLOCK=1024, num_warps=4)
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
@@ -137,9 +133,9 @@ def hc_post(out, x, post, comb):
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
     if N:
-        bd = min(256, _p2(D))
+        bd = min(256, pow2(D))
         _hc_post_kernel[(N, triton.cdiv(D, bd))](out.contiguous(), x.contiguous(), post.contiguous(),
-                                                 comb.contiguous(), y, N_HC=n, D=D, NP=_p2(n), BLOCK=bd, num_warps=4)
+                                                 comb.contiguous(), y, N_HC=n, D=D, NP=pow2(n), BLOCK=bd, num_warps=4)
     return y
 
 
@@ -171,7 +167,7 @@ def rms_norm(x, weight, eps: float):
     y = torch.empty_like(xc)
     rows = xc.numel() // D
     if rows:
-        _rms_kernel[(rows,)](xc, weight if weight is not None else xc, y, eps, D=D, BLOCK=_p2(D),
+        _rms_kernel[(rows,)](xc, weight if weight is not None else xc, y, eps, D=D, BLOCK=pow2(D),
                              WEIGHTED=weight is not None, num_warps=4 if D <= 2048 else 8)
     return y
 
@@ -220,5 +216,5 @@ def rope(x, cos, sin, inverse: bool = False):
     y = torch.empty_like(xc)
     if rows:
         _rope_kernel[(rows,)](xc, cos.contiguous().float(), sin.contiguous().float(), y, per, -1.0 if inverse else 1.0,
-                              DIM=dim, HALF=half, BLOCK=_p2(max(dim - 2 * half, 1)), HB=_p2(half), num_warps=1)
+                              DIM=dim, HALF=half, BLOCK=pow2(max(dim - 2 * half, 1)), HB=pow2(half), num_warps=1)
     return y

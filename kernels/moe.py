@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import act_quant, act_quant_ref, triton, use_triton
+from .fp8_gemm import act_quant, act_quant_ref, pow2, triton, use_triton
 from .quant import BLOCK
 
 if triton is not None:
@@ -21,13 +21,14 @@ if triton is not None:
 BLOCK_M = 16
 
 
-def moe_align(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+def moe_align(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, fused: bool = True):
     """ids (T, k) -> sorted_slots (nb * block_m,) slot ids grouped by expert, padded with T*k;
     block_expert (nb,) expert of each row block or -1; nb = ceil(T*k / block_m) + n_experts (a static bound).
     An id equal to n_experts means "not here" (another rank's expert): its blocks are marked -1 and skipped.
-    On GPU one Triton program (`_moe_align_kernel`) instead of ~20 torch kernels; `_align` is its twin."""
+    On GPU one Triton program (`_moe_align_kernel`) instead of ~20 torch kernels; fused=False forces the torch
+    twin (`_align`)."""
     n_experts = n_experts + 1
-    if use_triton(ids):
+    if fused and use_triton(ids):
         return _align_triton(ids, n_experts, block_m)
     sorted_slots, block_expert = _align(ids, n_experts, block_m)
     return sorted_slots, torch.where(block_expert == n_experts - 1, torch.full_like(block_expert, -1), block_expert)
@@ -100,7 +101,7 @@ def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int):
     nb = -(-S // block_m) + n_experts
     slots = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
     bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
-    ne = 1 << max(0, (n_experts - 1).bit_length())
+    ne = pow2(n_experts)
     dyn = ids.is_cuda
     _moe_align_kernel[(1,)](flat, slots, bexp, S, nb, n_experts, BM=block_m, NE=ne, C=max(16, min(128, 8192 // ne)),
                             S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn, num_warps=4)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import triton
+from .fp8_gemm import pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -102,5 +102,5 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
         _sample_part_kernel[(B, split)](logits, temps.float().contiguous(), seeds, steps, part, V, logits.stride(0),
                                         SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
                                         num_warps=8)
-        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=1 << max(0, (split - 1).bit_length()))
+        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split))
     return tok, lp

@@ -167,9 +167,11 @@ class Compressor(nn.Module):
 
     def project(self, x, pos):
         """x (B, T, D), pos (B, T) or (T,) absolute positions -> kv, gate (B, T, width) fp32, gate incl. ape."""
-        kv = self.wkv(x).float()
-        gate = self.wgate(x).float() + self.ape[pos % self.ratio]
-        return kv, gate
+        return self.biased(self.wkv(x), self.wgate(x), pos)
+
+    def biased(self, kv, gate, pos):
+        """The linears' outputs -> fp32, the gate plus its position bias (the decode kernel does this itself)."""
+        return kv.float(), gate.float() + self.ape[pos % self.ratio]
 
     def pool(self, kv, gate, cos, sin, prev=None):
         """kv, gate: (B, n, ratio, width) complete windows. prev: (kv, gate) (B, ratio, head_dim) = Ca of

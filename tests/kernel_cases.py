@@ -67,7 +67,7 @@ def sample_case(device, B: int, V: int, seed: int = 0) -> tuple[int, float]:
 
 
 def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0) -> bool:
-    """kernels.moe.moe_align's one-program kernel against its torch twin (`_align`), with a fraction `absent` of
+    """kernels.moe.moe_align's one-program kernel against its torch twin (fused=False), with a fraction `absent` of
     slots routed to another rank ("not here" = n_experts). -> whether both outputs are identical."""
     from kernels import moe
     g = torch.Generator().manual_seed(seed)
@@ -75,6 +75,5 @@ def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, 
         torch.zeros(0, k, dtype=torch.int64)
     ids = torch.where(torch.rand(ids.shape, generator=g) < absent, torch.full_like(ids, n_experts), ids).to(device)
     slots, bexp = moe.moe_align(ids, n_experts)
-    s2, b2 = moe._align(ids, n_experts + 1, moe.BLOCK_M)
-    b2 = torch.where(b2 == n_experts, torch.full_like(b2, -1), b2)
+    s2, b2 = moe.moe_align(ids, n_experts, fused=False)
     return torch.equal(slots, s2) and torch.equal(bexp, b2)
