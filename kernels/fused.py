@@ -1,11 +1,15 @@
-"""Fused small ops for the decode path, where kernel count (not FLOPs or bytes) is the cost:
+"""Fused small ops: one pass each instead of a chain of torch kernels over fp32 copies.
 
     hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb   (a GEMV + one kernel, not ~130)
     hc_post(out, x, post, comb) -> new streams
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
+    rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
+    swiglu(gate, up, limit)
 
-Each computes the same function as its twin in model/model.py (`hc_pre`, `hc_post`, `RMSNorm`, `rms_unweighted`),
-which the model calls instead whenever `fused_ok(x)` is false: on CPU, with autograd, or outside inference mode.
+Each computes the same function as its twin in model/model.py (`hc_pre`, `hc_post`, `RMSNorm`, `rms_unweighted`,
+`apply_rope`'s `_rope`, `_swiglu`). rms_norm, rope and swiglu have backward kernels (autograd Functions), so the
+model uses them wherever Triton runs (`use_triton`: GPUs, or the interpreter in tests), training included. The
+hyper-connection kernels are forward-only: the model calls them when `fused_ok(x)`, in inference mode.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ if triton is not None:
 
 
 def fused_ok(x: torch.Tensor) -> bool:
-    """Inference engines (torch.inference_mode) on a GPU: training and the actor's scoring keep the torch ops."""
+    """For the forward-only kernels: inference engines (torch.inference_mode) on a GPU."""
     return use_triton(x) and torch.is_inference_mode_enabled()
 
 
@@ -150,9 +154,24 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # silu in x's dtype, as torch rounds it
         tl.store(Y + i, (s * u).to(Y.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _swiglu_bwd_kernel(G, U, GY, GG, GU, n, limit, BLOCK: tl.constexpr):
+        """d/dg and d/du of silu(min(g, limit)) * clamp(u, -limit, limit); clamped inputs get no gradient."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.load(G + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + i, mask=m, other=0.0).to(tl.float32)
+        gy = tl.load(GY + i, mask=m, other=0.0).to(tl.float32)
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-gc))
+        dg = gy * uc * sig * (1.0 + gc * (1.0 - sig))
+        du = gy * gc * sig
+        tl.store(GG + i, tl.where(g <= limit, dg, 0.0).to(GG.dtype.element_ty), mask=m)
+        tl.store(GU + i, tl.where((u >= -limit) & (u <= limit), du, 0.0).to(GU.dtype.element_ty), mask=m)
 
-def swiglu(g, u, limit: float):
-    """The fused twin of model._swiglu: silu(g.clamp(max=limit)) * u.clamp(-limit, limit), one pass."""
+
+def _swiglu_fwd(g, u, limit: float):
     gc, uc = g.contiguous(), u.contiguous()
     y = torch.empty_like(gc)
     n = gc.numel()
@@ -161,7 +180,61 @@ def swiglu(g, u, limit: float):
     return y
 
 
-def rms_norm(x, weight, eps: float):
+class _Swiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, limit):
+        ctx.limit = limit
+        ctx.save_for_backward(g, u)
+        return _swiglu_fwd(g, u, limit)
+
+    @staticmethod
+    def backward(ctx, gy):
+        g, u = (t.contiguous() for t in ctx.saved_tensors)
+        gg, gu = torch.empty_like(g), torch.empty_like(u)
+        n = g.numel()
+        if n:
+            _swiglu_bwd_kernel[(triton.cdiv(n, 1024),)](g, u, gy.contiguous(), gg, gu, n, float(ctx.limit),
+                                                        BLOCK=1024, num_warps=4)
+        return gg, gu, None
+
+
+def swiglu(g, u, limit: float):
+    """The fused twin of model._swiglu: silu(g.clamp(max=limit)) * u.clamp(-limit, limit), one pass (and one
+    backward pass when autograd needs it)."""
+    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+        return _Swiglu.apply(g, u, limit)
+    return _swiglu_fwd(g, u, limit)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_bwd_kernel(X, W, GY, GX, GW, rows, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                        WEIGHTED: tl.constexpr):
+        """ROWS rows per program: gx = inv * (g - xhat * mean(g * xhat)) with g = gy * w; the program's share of
+        the weight's gradient, sum of gy * xhat over its rows, goes to GW[program]."""
+        pid = tl.program_id(0)
+        rd = tl.arange(0, BLOCK)
+        md = rd < D
+        if WEIGHTED:
+            w = tl.load(W + rd, mask=md, other=0.0).to(tl.float32)
+            gw = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ROWS):
+            r = (pid * ROWS + i).to(tl.int64)
+            m = md & (r < rows)
+            x = tl.load(X + r * D + rd, mask=m, other=0.0).to(tl.float32)
+            gy = tl.load(GY + r * D + rd, mask=m, other=0.0).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            xh = x * inv
+            if WEIGHTED:
+                gw += gy * xh
+                gy = gy * w
+            gx = inv * (gy - xh * (tl.sum(gy * xh, 0) / D))
+            tl.store(GX + r * D + rd, gx.to(GX.dtype.element_ty), mask=m)
+        if WEIGHTED:
+            tl.store(GW + pid * D + rd, gw, mask=md)
+
+
+def _rms_fwd(x, weight, eps: float):
     D = x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
@@ -172,12 +245,46 @@ def rms_norm(x, weight, eps: float):
     return y
 
 
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight)
+        return _rms_fwd(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        D = x.shape[-1]
+        xc, gyc = x.contiguous(), gy.contiguous()
+        rows = xc.numel() // D
+        per = 1 if weight is None else min(64, pow2(triton.cdiv(rows, 1024)))
+        progs = triton.cdiv(rows, per)
+        gx = torch.empty_like(xc)
+        gw = None if weight is None else torch.empty(progs, D, dtype=torch.float32, device=x.device)
+        if rows:
+            _rms_bwd_kernel[(progs,)](xc, weight if weight is not None else xc, gyc, gx, gw if gw is not None else gx,
+                                      rows, ctx.eps, D=D, BLOCK=pow2(D), ROWS=per, WEIGHTED=weight is not None,
+                                      num_warps=4 if D <= 2048 else 8)
+        if gw is not None:
+            gw = gw.sum(0).to(weight.dtype)
+        return gx, gw, None
+
+
+def rms_norm(x, weight, eps: float):
+    """weight None: the unweighted norm. Differentiable (a backward kernel) when autograd needs it."""
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _RmsNorm.apply(x, weight, eps)
+    return _rms_fwd(x, weight, eps)
+
+
 if triton is not None:
     @triton.jit
-    def _rope_kernel(X, COS, SIN, Y, per, sign, DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    def _rope_kernel(X, COS, SIN, Y, per, ncos, sign, DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
                      HB: tl.constexpr):
-        r = tl.program_id(0)
-        c = r // per
+        """Row r of x (per rows share a cos/sin row; the row index wraps over the ncos table rows)."""
+        r = tl.program_id(0).to(tl.int64)
+        c = (r // per) % ncos
         rd = tl.arange(0, BLOCK)
         nope: tl.constexpr = DIM - 2 * HALF
         md = rd < nope
@@ -193,28 +300,52 @@ if triton is not None:
         tl.store(Y + r * DIM + nope + 2 * j + 1, (b * co + a * si).to(Y.dtype.element_ty), mask=mj)
 
 
-def rope(x, cos, sin, inverse: bool = False):
-    """The fused twin of model.apply_rope for the layouts the engines use (cos/sin rows shared by the trailing
-    head dims of x); returns None for any other broadcast, and the caller falls back to torch."""
-    half, dim = cos.shape[-1], x.shape[-1]
-    xl, cl = [s for s in x.shape[:-1]], [s for s in cos.shape[:-1]]
-    while xl and xl[0] == 1:
-        xl.pop(0)
-    while cl and cl[0] == 1:
-        cl.pop(0)
-    while cl and cl[-1] == 1:
-        cl.pop()
-    if xl[:len(cl)] != cl or cos.shape != sin.shape:
-        return None
-    rows = 1
-    for s in xl:
-        rows *= s
-    per = 1
-    for s in xl[len(cl):]:
-        per *= s
+def _rope_launch(x, cos, sin, sign: float, per: int):
     xc = x.contiguous()
     y = torch.empty_like(xc)
+    half, dim = cos.shape[-1], x.shape[-1]
+    rows = xc.numel() // dim
     if rows:
-        _rope_kernel[(rows,)](xc, cos.contiguous().float(), sin.contiguous().float(), y, per, -1.0 if inverse else 1.0,
-                              DIM=dim, HALF=half, BLOCK=pow2(max(dim - 2 * half, 1)), HB=pow2(half), num_warps=1)
+        _rope_kernel[(rows,)](xc, cos, sin, y, per, cos.numel() // half, sign, DIM=dim, HALF=half,
+                              BLOCK=pow2(max(dim - 2 * half, 1)), HB=pow2(half), num_warps=1)
     return y
+
+
+class _Rope(torch.autograd.Function):
+    """A rotation: its backward is the inverse rotation of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, sign, per):
+        ctx.save_for_backward(cos, sin)
+        ctx.sign, ctx.per = sign, per
+        return _rope_launch(x, cos, sin, sign, per)
+
+    @staticmethod
+    def backward(ctx, gy):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(gy, cos, sin, -ctx.sign, ctx.per), None, None, None, None
+
+
+def rope(x, cos, sin, inverse: bool = False):
+    """The fused twin of model.apply_rope when cos/sin broadcast against x's leading dims as one contiguous run of
+    dims (torch's right-aligned broadcasting: size-1 or missing dims before the run, size-1 dims after it);
+    returns None for any other broadcast, and the caller falls back to torch. Differentiable in x."""
+    xs, cs = list(x.shape[:-1]), list(cos.shape[:-1])
+    if cos.shape != sin.shape or len(cs) > len(xs):
+        return None
+    lo, hi = 0, len(cs)
+    while lo < hi and cs[lo] == 1:
+        lo += 1
+    while hi > lo and cs[hi - 1] == 1:
+        hi -= 1
+    at = len(xs) - len(cs) + lo  # where the run sits in x's dims
+    if xs[at:at + hi - lo] != cs[lo:hi]:
+        return None
+    per = 1
+    for s in xs[at + hi - lo:]:
+        per *= s
+    cos, sin = cos.contiguous().float(), sin.contiguous().float()
+    sign = -1.0 if inverse else 1.0
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin, sign, per)
+    return _rope_launch(x, cos, sin, sign, per)

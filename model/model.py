@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels import fused
+from kernels import fused, mhc
+from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
 
 from .config import CSA, HCA, SLIDING, ModelConfig
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x):
-        if fused_ok(x):
+        if use_triton(x):
             return fused.rms_norm(x, self.weight, self.eps)
         return IMPL["rms"](x, self.weight, self.eps)
 
@@ -63,7 +64,7 @@ def _rms_unweighted(x, eps: float):
 
 
 def rms_unweighted(x, eps: float):
-    if fused_ok(x):
+    if use_triton(x):
         return fused.rms_norm(x, None, eps)
     return IMPL["rms_unweighted"](x, eps)
 
@@ -112,7 +113,7 @@ def apply_rope(x, cos, sin, inverse: bool = False):
 
     x: (..., T, [heads,] dim); cos/sin broadcastable to (..., T, [1,] rd/2): pass them already shaped.
     """
-    if fused_ok(x):
+    if use_triton(x):
         y = fused.rope(x, cos, sin, inverse)
         if y is not None:
             return y
@@ -284,6 +285,32 @@ def _attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
     return out.transpose(1, 2)
 
 
+def attend_blocks(*args):
+    return IMPL["attend_blocks"](*args)
+
+
+def _attend_blocks(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
+    """The full-sequence form of `_attend`: the same softmax over [window keys, compressed entries, sink],
+    queries in nb blocks of bq tokens, each block with its own window keys.
+
+    q (B, nb * bq, H, d); keys (B, nb, K, d); allowed (nb, bq, K) bool; comp_kv (B, S, d) in q's dtype or None;
+    comp_allowed (B or 1, nb * bq, S) bool -> (B, nb * bq, H, d). Heads fold into the GEMMs' rows."""
+    B, C, H, d = q.shape
+    nb, bq, K = allowed.shape
+    lw = torch.matmul(q.reshape(B, nb, bq * H, d), keys.transpose(-1, -2)).float().view(B, nb, bq, H, K) * scale
+    parts = [lw.masked_fill(~allowed[None, :, :, None], float("-inf")).view(B, C, H, K)]
+    S = 0 if comp_kv is None else comp_kv.shape[1]
+    if S:
+        lc = torch.matmul(q.reshape(B, C * H, d), comp_kv.transpose(-1, -2)).float().view(B, C, H, S) * scale
+        parts.append(lc.masked_fill(~comp_allowed[:, :, None], float("-inf")))
+    parts.append(sink.float().view(1, 1, H, 1).expand(B, C, H, 1))
+    p = torch.cat(parts, -1).softmax(-1).to(q.dtype)
+    out = torch.matmul(p[..., :K].reshape(B, nb, bq * H, K), keys).view(B, C, H, d)
+    if S:
+        out = out + torch.matmul(p[..., K:K + S].reshape(B, C * H, S), comp_kv).view(B, C, H, d)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -332,7 +359,11 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("btgi,gri->btgr", g, wa).flatten(2))
 
     def forward(self, x, ctx, chunk: int = 512):
-        """Full-sequence path from position 0. x (B, T, D) -> (B, T, D)."""
+        """Full-sequence path from position 0. x (B, T, D) -> (B, T, D).
+
+        Queries go in blocks of `bq` tokens; a block's window keys are the `bq + window` positions before and in
+        it, so its logits are one GEMM with the heads folded into the rows (all heads share the one KV head).
+        Chunks of blocks are checkpointed: only their inputs are kept, their logits are recomputed in backward."""
         B, T, _ = x.shape
         pos = ctx["pos"]
         cos, sin = ctx[self.rope_kind]
@@ -346,19 +377,33 @@ class Attention(nn.Module):
                 comp_mask = self.indexer.select(x, q_res, pos, ctx["compress"], ctx["compress"], S)
             else:
                 comp_mask = (torch.arange(S, device=x.device) < ((pos + 1) // self.compressor.ratio)[:, None])[None]
+            comp = comp.to(q.dtype)
+        W = self.window
+        bq = max(W, 128)
+        chunk = bq * max(1, chunk // bq)
+        Tp = -(-T // bq) * bq
+        if Tp > T:  # pad the queries to whole blocks (their rows are dropped below)
+            q = F.pad(q, (0, 0, 0, 0, 0, Tp - T))
+            if comp_mask is not None:
+                comp_mask = F.pad(comp_mask, (0, 0, 0, Tp - T))
+        kvp = F.pad(kv, (0, 0, W, Tp - T))  # kvp[:, i] = key at position i - W (zeros outside [0, T))
+        t = torch.arange(bq, device=x.device)[:, None]
+        c = torch.arange(bq + W, device=x.device)
+        local = (c > t) & (c <= t + W)  # (bq, bq + W): query offset t sees key offset c
         outs = []
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            k0 = max(0, s - self.window + 1)
-            qp, kp = pos[s:e, None], pos[None, k0:e]
-            allowed = ((kp <= qp) & (kp > qp - self.window))[None]
-            args = (q[:, s:e], kv[:, k0:e], allowed, comp, None if comp_mask is None else comp_mask[:, s:e],
+        for s in range(0, Tp, chunk):
+            e = min(Tp, s + chunk)
+            nb = (e - s) // bq
+            keys = kvp[:, s:e + W].unfold(1, bq + W, bq).transpose(-1, -2)  # (B, nb, bq + W, d)
+            starts = s - W + bq * torch.arange(nb, device=x.device)
+            allowed = local & (starts[:, None, None] + c >= 0)  # (nb, bq, bq + W)
+            args = (q[:, s:e], keys, allowed, comp, None if comp_mask is None else comp_mask[:, s:e],
                     self.attn_sink, self.scale)
             if torch.is_grad_enabled():  # keep the chunk's inputs only; its logits are recomputed in backward
-                outs.append(checkpoint(attend, *args, use_reentrant=False))
+                outs.append(checkpoint(attend_blocks, *args, use_reentrant=False))
             else:
-                outs.append(attend(*args))
-        return self.project_out(torch.cat(outs, 1), cos, sin)
+                outs.append(attend_blocks(*args))
+        return self.project_out(torch.cat(outs, 1)[:, :T], cos, sin)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -413,7 +458,7 @@ class Gate(nn.Module):
 
 
 def swiglu(gate, up, limit: float):
-    if fused_ok(gate):
+    if use_triton(gate):
         return fused.swiglu(gate, up, limit)
     return IMPL["swiglu"](gate, up, limit)
 
@@ -514,8 +559,10 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column)."""
-    if fused_ok(x):
+    if fused_ok(x):  # inference: the decode-tuned forward
         return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
+    if use_triton(x):  # training and scoring: forward and backward kernels
+        return mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
     return IMPL["hc_pre"](x, fn, base, scale, iters, eps, norm_eps)
 
 
@@ -540,6 +587,8 @@ def hc_post(out, x, post, comb):
     """out (B, T, D) block output, x (B, T, n, D) streams -> new streams: post * out + comb^T @ x."""
     if fused_ok(x):
         return fused.hc_post(out, x, post, comb)
+    if use_triton(x):
+        return mhc.hc_post(out, x, post, comb)
     return IMPL["hc_post"](out, x, post, comb)
 
 
@@ -549,7 +598,8 @@ def _hc_post(out, x, post, comb):
 
 
 # The training path's elementwise chains: eager here, compiled by compile_fusions() (the eager ones are the twins).
-IMPL = {"rms": _rms, "rms_unweighted": _rms_unweighted, "rope": _rope, "attend": _attend, "swiglu": _swiglu,
+IMPL = {"rms": _rms, "rms_unweighted": _rms_unweighted, "rope": _rope, "attend": _attend,
+        "attend_blocks": _attend_blocks, "swiglu": _swiglu,
         "hc_pre": _hc_pre, "hc_post": _hc_post}
 EAGER = dict(IMPL)
 

@@ -77,3 +77,42 @@ def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, 
     slots, bexp = moe.moe_align(ids, n_experts)
     s2, b2 = moe.moe_align(ids, n_experts, fused=False)
     return torch.equal(slots, s2) and torch.equal(bexp, b2)
+
+
+def grad_case(fast, twin, inputs, seed: int = 0) -> float:
+    """A differentiable kernel against its torch twin: outputs and the gradients of every input under the same
+    random upstream gradient. -> the largest difference relative to the twin's largest magnitude, over all of
+    them (so one number bounds forward and backward)."""
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    res = []
+    for f in (fast, twin):
+        xs = [t.detach().clone().requires_grad_(True) for t in inputs]
+        y = f(*xs)
+        gy = torch.randn(y.shape, generator=g).to(y)
+        g.manual_seed(seed)
+        res.append([y.detach()] + list(torch.autograd.grad(y, xs, gy)))
+    for a, b in zip(*res):
+        worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def hc_cases(device, n: int, D: int, N: int, iters: int, dtype=torch.float32, seed: int = 0) -> dict:
+    """kernels.mhc's hc_pre and hc_post against model._hc_pre / _hc_post (the torch twins computed in fp32 from the
+    same inputs): grad_case's worst relative difference for each."""
+    from kernels import mhc
+    from model.model import _hc_post, _hc_pre
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, n, D, generator=g).to(device, dtype)
+    fn = (torch.randn((2 + n) * n, n * D, generator=g) * D ** -0.5).to(device)
+    base, sc = torch.randn((2 + n) * n, generator=g).to(device), (torch.rand(3, generator=g) + 0.5).to(device)
+
+    def flat(outs):  # one tensor of every output, so grad_case gives all three their own upstream gradient
+        return torch.cat([t.reshape(N, -1).float() for t in outs], 1)
+    res = {"pre": grad_case(lambda *a: flat(mhc.hc_pre(*a, iters, 1e-6, 1e-6)),
+                            lambda x, *a: flat(_hc_pre(x.float(), *a, iters, 1e-6, 1e-6)), [x, fn, base, sc], seed)}
+    out = torch.randn(N, D, generator=g).to(device, dtype)
+    _, post, comb = _hc_pre(x.float(), fn, base, sc, iters, 1e-6, 1e-6)
+    res["post"] = grad_case(mhc.hc_post, lambda o, x, p, c: _hc_post(o.float(), x.float(), p, c),
+                            [out, x, post, comb], seed)
+    return res

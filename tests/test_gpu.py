@@ -136,6 +136,37 @@ def test_fused_hc_and_norms(n):
     assert rel(fused.swiglu(gs, us, 10.0), _swiglu(gs, us, 10.0)) < 1e-2
 
 
+def test_training_kernels_forward_and_backward():
+    """rope, RMSNorm (weighted and not) and SwiGLU with their backward kernels, at the training shapes in bf16,
+    against the torch twins computed in fp32 from the same bf16 inputs: within bf16 rounding."""
+    from kernels import fused
+    from model.model import _rms, _rms_unweighted, _rope, _swiglu
+    from tests.kernel_cases import grad_case
+    g = torch.Generator("cuda").manual_seed(0)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(shape, device="cuda", generator=g) * s).bfloat16()
+    ang = torch.randn(2048, 1, 32, device="cuda", generator=g) * 3
+    for inv in (False, True):
+        assert grad_case(lambda x: fused.rope(x, ang.cos(), ang.sin(), inv),
+                         lambda x: _rope(x.float(), ang.cos(), -ang.sin() if inv else ang.sin()),
+                         [rnd(2, 2048, 16, 512)]) < 1e-2
+    x, w = rnd(4, 2048, 2048), torch.rand(2048, device="cuda", generator=g) + 0.5
+    assert grad_case(lambda x, w: fused.rms_norm(x, w, 1e-6), lambda x, w: _rms(x.float(), w, 1e-6), [x, w]) < 1e-2
+    assert grad_case(lambda x: fused.rms_norm(x, None, 1e-6), lambda x: _rms_unweighted(x.float(), 1e-6),
+                     [rnd(2, 512, 16, 512)]) < 1e-2
+    assert grad_case(lambda a, b: fused.swiglu(a, b, 10.0), lambda a, b: _swiglu(a.float(), b.float(), 10.0),
+                     [rnd(4096, 1024, s=6), rnd(4096, 1024, s=6)]) < 1e-2
+
+
+@pytest.mark.parametrize("n,D,N", [(4, 2048, 4096), (2, 512, 1000), (3, 256, 77)])
+def test_training_hyper_connections(n, D, N):
+    """kernels.mhc (hc_pre, hc_post with backward kernels) in bf16 at mini's width, against the fp32 torch twins."""
+    from tests.kernel_cases import hc_cases
+    res = hc_cases("cuda", n, D, N, 20, torch.bfloat16)
+    assert max(res.values()) < 2e-2, res
+
+
 @pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
     (4, True, 512, 64, torch.bfloat16), (4, True, 128, 64, torch.float32), (128, False, 512, 64, torch.bfloat16),
     (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])

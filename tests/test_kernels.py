@@ -132,22 +132,30 @@ INTERPRETED = textwrap.dedent("""
         _, post, comb = hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
         out = torch.randn(5, 96, generator=g)
         assert (fused.hc_post(out, xs, post, comb) - hc_post(out, xs, post, comb)).abs().max() < 1e-5
-    from model.model import apply_rope
-    for shape, cshape in (((1, 6, 4, 48), (6, 1, 8)), ((1, 6, 48), (6, 8)), ((3, 1, 32), (3, 1, 8))):
-        xr = torch.randn(shape, generator=g)
+    from model.model import _rms, _rms_unweighted, _rope
+    from tests.kernel_cases import grad_case
+    # rope: the engines' layouts and the training ones (a batch before the positions), forward and backward
+    for shape, cshape in (((1, 6, 4, 48), (6, 1, 8)), ((1, 6, 48), (6, 8)), ((3, 1, 32), (3, 1, 8)),
+                          ((2, 6, 3, 48), (6, 1, 8)), ((2, 5, 40), (5, 8)), ((2, 5, 40), (2, 5, 8))):
         ang = torch.randn(cshape, generator=g)
         for inv in (False, True):
-            with torch.inference_mode():
-                got = apply_rope(xr, ang.cos(), ang.sin(), inverse=inv)
-            assert (got - apply_rope(xr, ang.cos(), ang.sin(), inverse=inv)).abs().max() < 1e-6
-    xb = torch.randn(7, 200, generator=g)  # fp32: the interpreter truncates bf16 casts (the GPU test checks bf16)
-    norm = RMSNorm(200, 1e-6)
-    norm.weight.data.normal_(generator=g)
-    assert (fused.rms_norm(xb, None, 1e-6) - rms_unweighted(xb, 1e-6)).abs().max() < 1e-5
-    assert (fused.rms_norm(xb, norm.weight, 1e-6) - norm(xb)).abs().max() < 1e-5
+            err = grad_case(lambda x: fused.rope(x, ang.cos(), ang.sin(), inv),
+                            lambda x: _rope(x, ang.cos(), -ang.sin() if inv else ang.sin()), [torch.randn(shape, generator=g)])
+            assert err < 1e-5, (shape, cshape, inv, err)
+    assert fused.rope(torch.randn(2, 6, 48), torch.ones(3, 8), torch.ones(3, 8)) is None  # no such broadcast
+    # fp32: the interpreter truncates bf16 casts (the GPU test checks bf16)
+    xb, wb = torch.randn(7, 200, generator=g), torch.randn(200, generator=g)
+    assert grad_case(lambda x: fused.rms_norm(x, None, 1e-6), lambda x: _rms_unweighted(x, 1e-6), [xb]) < 1e-5
+    assert grad_case(lambda x, w: fused.rms_norm(x, w, 1e-6), lambda x, w: _rms(x, w, 1e-6), [xb, wb]) < 1e-5
+    xr = torch.randn(300, 64, generator=g)  # more rows than one program takes: partial weight gradients summed
+    assert grad_case(lambda x, w: fused.rms_norm(x, w, 1e-6), lambda x, w: _rms(x, w, 1e-6), [xr, wb[:64]]) < 1e-5
+    from tests.kernel_cases import hc_cases
+    for n, D, N, iters in ((4, 96, 70, 20), (2, 64, 5, 3), (3, 40, 33, 1)):  # training's hyper-connections
+        res = hc_cases("cpu", n, D, N, iters)
+        assert max(res.values()) < 1e-5, (n, D, N, iters, res)
     from model.model import _swiglu
     gs, us = torch.randn(6, 300, generator=g) * 6, torch.randn(6, 300, generator=g) * 6
-    assert (fused.swiglu(gs, us, 10.0) - _swiglu(gs, us, 10.0)).abs().max() < 1e-4
+    assert grad_case(lambda a, b: fused.swiglu(a, b, 10.0), lambda a, b: _swiglu(a, b, 10.0), [gs, us]) < 1e-4
     from tests.kernel_cases import compress_decode_case
     for ratio, overlap, hd, rd in ((4, True, 32, 8), (3, True, 16, 4), (9, True, 16, 8), (8, False, 32, 8),
                                    (20, False, 16, 16)):

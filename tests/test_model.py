@@ -92,3 +92,41 @@ def test_padding_must_be_on_the_right(tiny):
     mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
     with pytest.raises(ValueError, match="right-padded"):
         tiny(ids, attention_mask=mask)
+
+
+def _dense_attention(att, x, ctx):
+    """The slow twin of Attention.forward: every query against every key through `_attend`, one dense mask."""
+    from model.model import _attend
+    pos = ctx["pos"]
+    cos, sin = ctx[att.rope_kind]
+    q, q_res = att.project_q(x, cos, sin)
+    kv = att.project_kv(x, cos, sin)
+    comp = mask = None
+    if att.compressor is not None:
+        comp = att.compressor(x, ctx["compress"])
+        S = comp.shape[1]
+        mask = (att.indexer.select(x, q_res, pos, ctx["compress"], ctx["compress"], S) if att.indexer is not None
+                else (torch.arange(S) < ((pos + 1) // att.compressor.ratio)[:, None])[None])
+    qp, kp = pos[:, None], pos[None]
+    window = ((kp <= qp) & (kp > qp - att.window))[None]
+    return att.project_out(_attend(q, kv, window, comp, mask, att.attn_sink, att.scale), cos, sin)
+
+
+@pytest.mark.parametrize("T,chunk", [(300, 256), (128, 512), (77, 128), (500, 128)])
+def test_blocked_attention_matches_dense_twin(T, chunk):
+    """Query blocks of 128 with their own window keys, chunks of blocks and a padded last block give the dense
+    formulation's output and gradients, for a sliding, a CSA and an HCA layer."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.sliding_window=40", "model.index_topk=8",
+                                                                 "model.max_position_embeddings=1024"])["model"])
+    m = _model(cfg)
+    g = torch.Generator().manual_seed(T)
+    ctx = m.rope_ctx(T, "cpu")
+    for layer in m.layers[:3]:
+        att = layer.attn
+        x = torch.randn(2, T, cfg.hidden_size, generator=g, requires_grad=True)
+        got = att(x, ctx, chunk=chunk)
+        (gx,) = torch.autograd.grad((got * torch.linspace(-1, 1, cfg.hidden_size)).sum(), x)
+        want = _dense_attention(att, x, ctx)
+        (wx,) = torch.autograd.grad((want * torch.linspace(-1, 1, cfg.hidden_size)).sum(), x)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (att.layer_type, (got - want).abs().max())
+        assert torch.allclose(gx, wx, atol=1e-5, rtol=1e-4), (att.layer_type, (gx - wx).abs().max())
