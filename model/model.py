@@ -515,8 +515,15 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_local)
         tok = order // k
-        ys = self.forward_sorted(x[tok], counts) * w.reshape(-1)[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tok, ys)
+        return combine(self.forward_sorted(x[tok], counts), order, w)
+
+
+def combine(ys, order, w):
+    """ys (N * k, D): the experts' outputs of the token slots in `order` (a permutation of the N * k slots), w
+    (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a sum (no scatter-add atomics)."""
+    N, k = w.shape
+    ys = ys[torch.argsort(order)].view(N, k, -1)
+    return (ys * w[..., None].to(ys.dtype)).sum(1)
 
 
 class MLP(nn.Module):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from .config import ModelConfig
-from .model import Experts, Transformer
+from .model import Experts, Transformer, combine
 
 
 @dataclass
@@ -94,8 +94,7 @@ class EPExperts(Experts):
         y_sorted = self.forward_sorted(x_recv[o2], torch.bincount(e_recv, minlength=self.n_local))
         y_recv = y_sorted[torch.argsort(o2)]
         y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
-        ys = y_back[torch.argsort(order)].view(N, k, D)
-        return (ys * w[..., None].to(ys.dtype)).sum(1)
+        return combine(y_back, order, w)
 
 
 def use_expert_parallel(model: Transformer, mesh: ActorMesh):
@@ -190,25 +189,26 @@ def clip_grad_norm(params, max_norm: float, group) -> float:
     scales the gradients down to max_norm. Returns the norm before clipping."""
     grads = [local(p.grad) for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        sq += g.double().square().sum()
+    if grads:  # per-tensor norms in one foreach launch, combined in fp64
+        sq = sq + torch.stack(torch._foreach_norm(grads)).double().square().sum()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = math.sqrt(float(sq))
     if max_norm > 0 and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm
 
 
 class AdamW:
     """AdamW (decoupled weight decay, torch.optim.AdamW's formula) over local shards; offload=True keeps the
-    moments in (pinned) host memory and streams each parameter's through the device for its update."""
+    moments in (pinned) host memory and streams each parameter's through the device for its update.
+    foreach=True updates the fp32 weights with a few multi-tensor kernels; False is the per-tensor loop (its twin)."""
 
     def __init__(self, named_params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 offload: bool = False):
+                 offload: bool = False, foreach: bool = True):
         self.params = [(n, p, p.ndim >= 2) for n, p in named_params if p.requires_grad]
         self.lr, self.betas, self.eps, self.wd, self.offload = lr, betas, eps, weight_decay, offload
+        self.foreach = foreach and not offload
         self.t = 0
         self.state = {}
         for n, p, _ in self.params:
@@ -229,9 +229,26 @@ class AdamW:
         b1, b2 = self.betas
         self.t += 1
         bc1, bc2 = 1 - b1 ** self.t, math.sqrt(1 - b2 ** self.t)
-        for n, p, decay in self.params:
-            if p.grad is None:
-                continue
+        live = [(n, p, decay) for n, p, decay in self.params if p.grad is not None]
+        if self.foreach:  # fp32 weights: the same update as the loop below, as multi-tensor kernels
+            fast = [(n, p, decay) for n, p, decay in live if local(p).dtype == torch.float32]
+            live = [e for e in live if local(e[1]).dtype != torch.float32]
+            if fast:
+                ws = [local(p) for _, p, _ in fast]
+                gs = [local(p.grad).float() for _, p, _ in fast]
+                ms, vs = [self.state[n][0] for n, _, _ in fast], [self.state[n][1] for n, _, _ in fast]
+                torch._foreach_mul_(ms, b1)
+                torch._foreach_add_(ms, gs, alpha=1 - b1)
+                torch._foreach_mul_(vs, b2)
+                torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+                decayed = [w for w, (_, _, decay) in zip(ws, fast) if decay]
+                if self.wd and decayed:
+                    torch._foreach_mul_(decayed, 1 - lr * self.wd)
+                denom = torch._foreach_sqrt(vs)
+                torch._foreach_div_(denom, bc2)
+                torch._foreach_add_(denom, self.eps)
+                torch._foreach_addcdiv_(ws, ms, denom, value=-lr / bc1)
+        for n, p, decay in live:
             w, g = local(p), local(p.grad).float()
             m, v = self.state[n]
             if self.offload:

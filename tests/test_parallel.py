@@ -68,3 +68,30 @@ def test_replay_statistics_count_routing_differences():
     # layer 1 is upstream (unchanged); layer 2 sees the 10 edits (one could land on another chosen expert);
     # layer 3's own choice may move with the new activations, so it is not checked
     assert diff[1] == 0 and 9 <= diff[2] <= 10
+
+
+def test_foreach_adamw_and_clipping_match_the_loop():
+    """The multi-tensor AdamW update (fp32 weights) is the per-tensor loop's, bit for bit, over steps with weight
+    decay and a parameter without gradient; clip_grad_norm's foreach norm is the fp64 norm of all gradients."""
+    from model.parallel import AdamW, clip_grad_norm
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (13,), (3, 4, 6), (2, 2)]
+    runs = []
+    for foreach in (True, False):
+        g.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+        opt = AdamW([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                    foreach=foreach)
+        norms = []
+        for _ in range(3):
+            for p in ps[:-1]:  # the last one never gets a gradient
+                p.grad = torch.randn(p.shape, generator=g)
+            want = torch.cat([p.grad.double().flatten() for p in ps[:-1]]).norm().item()
+            norms.append((clip_grad_norm(ps, 1.0, None), want))
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in ps])
+        for got, want in norms:
+            assert abs(got - want) < 1e-6 * want
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
