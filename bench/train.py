@@ -105,7 +105,7 @@ def main(argv=None):
             step()
             torch.cuda.synchronize()
         if rank == 0:  # ops and kernels by their own GPU time, then the ops by input shapes
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70),
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=90, max_name_column_width=70),
                   flush=True)
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=90),

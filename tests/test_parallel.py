@@ -71,8 +71,9 @@ def test_replay_statistics_count_routing_differences():
 
 
 def test_foreach_adamw_and_clipping_match_the_loop():
-    """The multi-tensor AdamW update (fp32 weights) is the per-tensor loop's, bit for bit, over steps with weight
-    decay and a parameter without gradient; clip_grad_norm's foreach norm is the fp64 norm of all gradients."""
+    """The fused multi-tensor AdamW update (fp32 weights) is the per-tensor loop's within fp32 rounding, over steps
+    with weight decay, a vector without decay and a parameter without gradient; clip_grad_norm's foreach norm is the
+    fp64 norm of all gradients."""
     from model.parallel import AdamW, clip_grad_norm
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (13,), (3, 4, 6), (2, 2)]
@@ -94,4 +95,4 @@ def test_foreach_adamw_and_clipping_match_the_loop():
         for got, want in norms:
             assert abs(got - want) < 1e-6 * want
     for a, b in zip(*runs):
-        assert torch.equal(a, b)
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
