@@ -179,3 +179,131 @@ def index_scores(qi, wi, pool, table, count, S: int):
         qi.contiguous(), wi.contiguous(), pool, table, count, out, S, table.shape[1], d ** -0.5, NH=nh,
         D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training: the softmax of the full-sequence (blocked) attention, forward and backward
+
+
+if triton is not None:
+    @triton.jit
+    def _block_softmax_fwd(LW, LC, ALLOWED, CALLOWED, SINK, PW, PC, LSE, R, S, SCAP: tl.constexpr,
+                           DYNAMIC: tl.constexpr, cb_stride, scale, H: tl.constexpr, C: tl.constexpr,
+                           K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+        """BR rows (b, token, head) of softmax([window logits, compressed-entry logits, sink]) * scale -> the
+        probabilities of the first two parts (the sink's is dropped) and each row's log-sum-exp."""
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        mr = r < R
+        tok = (r // H) % C
+        b = r // (H * C)
+        sink = tl.load(SINK + r % H, mask=mr, other=0.0)
+        rk = tl.arange(0, KP)
+        mk = mr[:, None] & (rk[None, :] < K)
+        ok = tl.load(ALLOWED + tok[:, None] * K + rk[None, :], mask=mk, other=0) != 0
+        lw = tl.load(LW + r[:, None] * K + rk[None, :], mask=mk, other=0.0).to(tl.float32) * scale
+        lw = tl.where(ok, lw, float("-inf"))
+        m = tl.maximum(tl.max(lw, 1), sink)
+        lsum = tl.exp(sink - m) + tl.sum(tl.exp(lw - m[:, None]), 1)
+        for s0 in range(0, S if DYNAMIC else SCAP, BS):  # the compressed entries, online
+            rs = s0 + tl.arange(0, BS)
+            ms = mr[:, None] & (rs[None, :] < S)
+            okc = tl.load(CALLOWED + b[:, None] * cb_stride + tok[:, None] * S + rs[None, :], mask=ms, other=0) != 0
+            lc = tl.load(LC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32) * scale
+            lc = tl.where(okc, lc, float("-inf"))
+            m2 = tl.maximum(m, tl.max(lc, 1))
+            lsum = lsum * tl.exp(m - m2) + tl.sum(tl.exp(lc - m2[:, None]), 1)
+            m = m2
+        lse = m + tl.log(lsum)
+        tl.store(LSE + r, lse, mask=mr)
+        tl.store(PW + r[:, None] * K + rk[None, :], tl.exp(lw - lse[:, None]).to(PW.dtype.element_ty), mask=mk)
+        for s0 in range(0, S if DYNAMIC else SCAP, BS):
+            rs = s0 + tl.arange(0, BS)
+            ms = mr[:, None] & (rs[None, :] < S)
+            okc = tl.load(CALLOWED + b[:, None] * cb_stride + tok[:, None] * S + rs[None, :], mask=ms, other=0) != 0
+            lc = tl.load(LC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32) * scale
+            p = tl.where(okc, tl.exp(lc - lse[:, None]), 0.0)
+            tl.store(PC + r[:, None] * S + rs[None, :], p.to(PC.dtype.element_ty), mask=ms)
+
+    @triton.jit
+    def _block_softmax_bwd(PW, PC, GPW, GPC, LSE, SINK, GLW, GLC, GSINK, R, S, SCAP: tl.constexpr,
+                           DYNAMIC: tl.constexpr, scale, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                           BR: tl.constexpr, BS: tl.constexpr):
+        """gl = p * (gp - sum(p * gp)) * scale per row; the sink's logit gets -p_sink * sum(p * gp) (GSINK per row)."""
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        mr = r < R
+        rk = tl.arange(0, KP)
+        mk = mr[:, None] & (rk[None, :] < K)
+        pw = tl.load(PW + r[:, None] * K + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+        gw = tl.load(GPW + r[:, None] * K + rk[None, :], mask=mk, other=0.0).to(tl.float32)
+        dot = tl.sum(pw * gw, 1)
+        for s0 in range(0, S if DYNAMIC else SCAP, BS):
+            rs = s0 + tl.arange(0, BS)
+            ms = mr[:, None] & (rs[None, :] < S)
+            pc = tl.load(PC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            gc = tl.load(GPC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            dot += tl.sum(pc * gc, 1)
+        tl.store(GLW + r[:, None] * K + rk[None, :], (pw * (gw - dot[:, None]) * scale).to(GLW.dtype.element_ty),
+                 mask=mk)
+        for s0 in range(0, S if DYNAMIC else SCAP, BS):
+            rs = s0 + tl.arange(0, BS)
+            ms = mr[:, None] & (rs[None, :] < S)
+            pc = tl.load(PC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            gc = tl.load(GPC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            tl.store(GLC + r[:, None] * S + rs[None, :], (pc * (gc - dot[:, None]) * scale).to(GLC.dtype.element_ty),
+                     mask=ms)
+        sink = tl.load(SINK + r % H, mask=mr, other=0.0)
+        lse = tl.load(LSE + r, mask=mr, other=0.0)
+        tl.store(GSINK + r, -tl.exp(sink - lse) * dot, mask=mr)
+
+
+_BR = 16
+
+
+class _BlockSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lw, lc, allowed, comp_allowed, sink, scale, H):
+        K = lw.shape[-1]
+        C = allowed.shape[0] * allowed.shape[1]
+        R = lw.numel() // K
+        S = 0 if lc is None else lc.shape[-1]
+        lw = lw.contiguous()
+        lc = lw.new_empty(R, 0) if lc is None else lc.contiguous()
+        pw, pc = torch.empty_like(lw), torch.empty_like(lc)
+        lse = torch.empty(R, dtype=torch.float32, device=lw.device)
+        ca = comp_allowed if comp_allowed is not None else allowed  # unread when S == 0
+        cb_stride = C * S if (comp_allowed is not None and comp_allowed.shape[0] > 1) else 0
+        if R:
+            _block_softmax_fwd[(triton.cdiv(R, _BR),)](lw, lc, allowed.contiguous().view(torch.uint8),
+                                                       ca.contiguous().view(torch.uint8),
+                                                       sink.float().contiguous(), pw, pc, lse, R, S,
+                                                       S if not lw.is_cuda else 0, lw.is_cuda, cb_stride, scale,
+                                                       H=H, C=C, K=K, KP=triton.next_power_of_2(K), BR=_BR, BS=64,
+                                                       num_warps=4)
+        ctx.save_for_backward(pw, pc, lse, sink)
+        ctx.scale, ctx.H, ctx.has_c = scale, H, S > 0
+        return pw, (pc if S else None)
+
+    @staticmethod
+    def backward(ctx, gpw, gpc):
+        pw, pc, lse, sink = ctx.saved_tensors
+        K, S, R = pw.shape[-1], pc.shape[-1], lse.shape[0]
+        gpw = torch.zeros_like(pw) if gpw is None else gpw.contiguous()
+        gpc = torch.zeros_like(pc) if gpc is None else gpc.contiguous()
+        glw, glc = torch.empty_like(pw), torch.empty_like(pc)
+        gsink = torch.empty(R, dtype=torch.float32, device=pw.device)
+        if R:
+            _block_softmax_bwd[(triton.cdiv(R, _BR),)](pw, pc, gpw, gpc, lse, sink.float().contiguous(), glw, glc, gsink,
+                                                       R, S, S if not pw.is_cuda else 0, pw.is_cuda, ctx.scale,
+                                                       H=ctx.H, K=K, KP=triton.next_power_of_2(K), BR=_BR, BS=64,
+                                                       num_warps=4)
+        gs = gsink.view(-1, ctx.H).sum(0).to(sink.dtype)
+        return glw, (glc if ctx.has_c else None), None, None, gs, None, None
+
+
+def block_softmax(lw, lc, allowed, comp_allowed, sink, scale: float, H: int):
+    """The softmax of model._attend_blocks, fused (Triton, forward and backward).
+
+    lw (B, nb, bq * H, K) window logits and lc (B, nb * bq * H, S) compressed-entry logits or None, both raw
+    (unscaled) GEMM outputs whose rows are (batch, token, head); allowed (nb, bq, K) bool; comp_allowed
+    (B or 1, nb * bq, S) bool; sink (H,) -> probabilities pw like lw, pc like lc (or None), in lw's dtype."""
+    return _BlockSoftmax.apply(lw, lc, allowed, comp_allowed, sink, scale, H)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import fused, mhc
+from kernels.attention import block_softmax
 from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
 
@@ -285,8 +286,24 @@ def _attend(q, window_kv, window_allowed, comp_kv, comp_allowed, sink, scale):
     return out.transpose(1, 2)
 
 
-def attend_blocks(*args):
-    return IMPL["attend_blocks"](*args)
+def attend_blocks(q, *args):
+    if use_triton(q):
+        return _attend_blocks_fused(q, *args)
+    return IMPL["attend_blocks"](q, *args)
+
+
+def _attend_blocks_fused(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
+    """_attend_blocks with its masked softmax in one Triton kernel each way (the GEMMs stay cuBLAS)."""
+    B, C, H, d = q.shape
+    nb, bq, K = allowed.shape
+    lw = torch.matmul(q.reshape(B, nb, bq * H, d), keys.transpose(-1, -2))
+    S = 0 if comp_kv is None else comp_kv.shape[1]
+    lc = torch.matmul(q.reshape(B, C * H, d), comp_kv.transpose(-1, -2)) if S else None
+    pw, pc = block_softmax(lw, lc, allowed, comp_allowed if S else None, sink, scale, H)
+    out = torch.matmul(pw, keys).view(B, C, H, d)
+    if S:
+        out = out + torch.matmul(pc, comp_kv).view(B, C, H, d)
+    return out
 
 
 def _attend_blocks(q, keys, allowed, comp_kv, comp_allowed, sink, scale):

@@ -116,3 +116,30 @@ def hc_cases(device, n: int, D: int, N: int, iters: int, dtype=torch.float32, se
     res["post"] = grad_case(mhc.hc_post, lambda o, x, p, c: _hc_post(o.float(), x.float(), p, c),
                             [out, x, post, comb], seed)
     return res
+
+
+def block_attention_case(device, B: int, nb: int, bq: int, W: int, H: int, d: int, S: int, cb: int,
+                         dtype=torch.float32, seed: int = 0) -> float:
+    """model._attend_blocks_fused (the Triton block softmax between cuBLAS GEMMs) against model._attend_blocks
+    computed in fp32 from the same inputs, for q, the window keys, the compressed entries and the sinks: grad_case's
+    worst relative difference. cb = 1 shares the compressed-entry mask across the batch (HCA), B gives one per row."""
+    from model.model import _attend_blocks, _attend_blocks_fused
+    g = torch.Generator().manual_seed(seed)
+    K = bq + W
+    t, c = torch.arange(bq)[:, None], torch.arange(K)
+    starts = -W + bq * torch.arange(nb)
+    allowed = (((c > t) & (c <= t + W)) & (starts[:, None, None] + c >= 0)).to(device)
+    ins = [torch.randn(B, nb * bq, H, d, generator=g), torch.randn(B, nb, K, d, generator=g), torch.randn(H, generator=g)]
+    ins = [x.to(device, dtype) for x in ins[:2]] + [ins[2].to(device)]
+    ca = None
+    if S:
+        ins.append(torch.randn(B, S, d, generator=g).to(device, dtype))
+        ca = (torch.rand(cb, nb * bq, S, generator=g) > 0.4).to(device)
+    scale = d ** -0.5
+
+    def fast(q, k, sink, *comp):
+        return _attend_blocks_fused(q, k, allowed, comp[0] if comp else None, ca, sink, scale)
+
+    def twin(q, k, sink, *comp):
+        return _attend_blocks(q.float(), k.float(), allowed, comp[0].float() if comp else None, ca, sink, scale)
+    return grad_case(fast, twin, ins, seed)

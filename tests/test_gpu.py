@@ -167,6 +167,15 @@ def test_training_hyper_connections(n, D, N):
     assert max(res.values()) < 2e-2, res
 
 
+@pytest.mark.parametrize("S,cb", [(512, 4), (16, 1), (0, 1), (700, 2)])
+def test_training_block_attention(S, cb):
+    """The blocked attention with the fused softmax (forward and backward) in bf16 at mini's shapes (16 heads of
+    512, window 128, blocks of 128; S compressed entries: CSA, HCA, none, and a length that is no multiple of the
+    kernel's tile) against the fp32 torch twin."""
+    from tests.kernel_cases import block_attention_case
+    assert block_attention_case("cuda", cb if cb > 1 else 2, 4, 128, 128, 16, 512, S, cb, torch.bfloat16) < 2e-2
+
+
 @pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
     (4, True, 512, 64, torch.bfloat16), (4, True, 128, 64, torch.float32), (128, False, 512, 64, torch.bfloat16),
     (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])

@@ -149,6 +149,10 @@ INTERPRETED = textwrap.dedent("""
     assert grad_case(lambda x, w: fused.rms_norm(x, w, 1e-6), lambda x, w: _rms(x, w, 1e-6), [xb, wb]) < 1e-5
     xr = torch.randn(300, 64, generator=g)  # more rows than one program takes: partial weight gradients summed
     assert grad_case(lambda x, w: fused.rms_norm(x, w, 1e-6), lambda x, w: _rms(x, w, 1e-6), [xr, wb[:64]]) < 1e-5
+    from tests.kernel_cases import block_attention_case
+    for B, nb, bq, W, H, d, S, cb in ((2, 3, 8, 4, 4, 16, 10, 2), (1, 2, 4, 4, 2, 8, 0, 1), (2, 1, 8, 8, 3, 16, 70, 1)):
+        err = block_attention_case("cpu", B, nb, bq, W, H, d, S, cb)
+        assert err < 1e-5, (B, nb, bq, W, H, d, S, cb, err)
     from tests.kernel_cases import hc_cases
     for n, D, N, iters in ((4, 96, 70, 20), (2, 64, 5, 3), (3, 40, 33, 1)):  # training's hyper-connections
         res = hc_cases("cpu", n, D, N, iters)
