@@ -531,15 +531,47 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_local)
-        tok = order // k
-        return combine(self.forward_sorted(x[tok], counts), order, w)
+        return combine(self.forward_sorted(dispatch(x, order, k), counts), order, w)
+
+
+def inverse(perm):
+    """The inverse permutation: inverse(p)[p[i]] = i."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _Rows(torch.autograd.Function):
+    """y = x[rows], where rows is a permutation (k = 1) or visits every row of x k times (the slots of a k-way
+    dispatch); back is the inverse permutation of the slots. The backward is a gather (and a k-sum), not
+    index_put's scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, rows, back, k: int):
+        ctx.save_for_backward(back)
+        ctx.k, ctx.n = k, x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        gx = g.index_select(0, back)
+        return (gx.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else gx), None, None, None
+
+
+def dispatch(x, order, k: int):
+    """x (N, D) -> x[order // k]: each token once per slot, the N * k slots in `order`."""
+    return _Rows.apply(x, order // k, inverse(order), k)
+
+
+def permute(x, perm):
+    """x[perm] for a permutation of x's rows."""
+    return _Rows.apply(x, perm, inverse(perm), 1)
 
 
 def combine(ys, order, w):
     """ys (N * k, D): the experts' outputs of the token slots in `order` (a permutation of the N * k slots), w
-    (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a sum (no scatter-add atomics)."""
+    (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a weighted sum over k (no atomics)."""
     N, k = w.shape
-    ys = ys[torch.argsort(order)].view(N, k, -1)
+    ys = _Rows.apply(ys, inverse(order), order, 1).view(N, k, -1)  # permute(ys, inverse(order))
     return (ys * w[..., None].to(ys.dtype)).sum(1)
 
 

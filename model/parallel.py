@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from .config import ModelConfig
-from .model import Experts, Transformer, combine
+from .model import Experts, Transformer, combine, dispatch, inverse, permute
 
 
 @dataclass
@@ -86,13 +86,13 @@ class EPExperts(Experts):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         sc, rc = send.tolist(), recv.tolist()
-        x_recv = dist_nn.all_to_all_single(x.new_empty(sum(rc), D), x[order // k], rc, sc, group=self.group)
+        x_recv = dist_nn.all_to_all_single(x.new_empty(sum(rc), D), dispatch(x, order, k), rc, sc, group=self.group)
         e_send = (flat - dest * self.n_local)[order]
         e_recv = e_send.new_empty(sum(rc))
         dist.all_to_all_single(e_recv, e_send, rc, sc, group=self.group)
         o2 = torch.argsort(e_recv, stable=True)
-        y_sorted = self.forward_sorted(x_recv[o2], torch.bincount(e_recv, minlength=self.n_local))
-        y_recv = y_sorted[torch.argsort(o2)]
+        y_sorted = self.forward_sorted(permute(x_recv, o2), torch.bincount(e_recv, minlength=self.n_local))
+        y_recv = permute(y_sorted, inverse(o2))
         y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
         return combine(y_back, order, w)
 

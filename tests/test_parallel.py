@@ -96,3 +96,27 @@ def test_foreach_adamw_and_clipping_match_the_loop():
             assert abs(got - want) < 1e-6 * want
     for a, b in zip(*runs):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+
+
+def test_expert_dispatch_and_combine_gradients():
+    """Experts.forward (a gather dispatch to expert order, the experts, a gather back and a k-sum, all with gather
+    backwards) against the per-token sum of w * expert(x): outputs and the gradients of x, w and every weight."""
+    from model.model import Experts
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
+    g = torch.Generator().manual_seed(3)
+    ex = Experts(cfg)
+    for p in ex.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    N, k, E = 11, cfg.num_experts_per_tok, cfg.n_routed_experts
+    x = torch.randn(N, cfg.hidden_size, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    w = torch.rand(N, k, generator=g, requires_grad=True)
+    gy = torch.randn(N, cfg.hidden_size, generator=g)
+    got = ex(x, idx, w)
+    gg = torch.autograd.grad(got, [x, w, *ex.parameters()], gy)
+    want = torch.stack([sum(w[n, j] * ex.forward_sorted(x[n:n + 1], torch.bincount(idx[n, j:j + 1], minlength=E))[0]
+                            for j in range(k)) for n in range(N)])
+    wg = torch.autograd.grad(want, [x, w, *ex.parameters()], gy)
+    assert torch.allclose(got, want, atol=1e-5)
+    for a, b in zip(gg, wg):
+        assert torch.allclose(a, b, atol=1e-5)
