@@ -29,7 +29,7 @@ from bench.model_fwd_bwd import matmul_peak  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/mini.yaml")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, help="sequences per GPU (default: the config's train.micro_batch)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ep", type=int, default=1)
@@ -42,7 +42,10 @@ def main(argv=None):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
+    raw = load_yaml(args.config)
+    cfg = ModelConfig.from_dict(raw["model"], f"{args.config}: model")
+    if args.batch is None:
+        args.batch = int(raw.get("train", {}).get("micro_batch", 4))
     peak = matmul_peak()
     mesh = make_actor_groups(world, args.ep, "cuda")
     model = sharded_actor(cfg, mesh, torch.bfloat16, "cuda")

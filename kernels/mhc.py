@@ -239,6 +239,7 @@ if triton is not None:
 
 
 _BT, _BK = 64, 64  # the mix kernels' tiles (tokens, features)
+_BT_FWD = 16       # tokens per program of the forward mix (it loops over all features: more programs, more SMs)
 _BT_SINK = 32      # tokens per program of the Sinkhorn kernels
 
 
@@ -256,8 +257,8 @@ class _HcPre(torch.autograd.Function):
         coll = torch.empty(N, D, dtype=x.dtype, device=dev)
         mixp, npow = max(16, pow2(MIX)), pow2(n)
         if N:
-            _mix_fwd_kernel[(triton.cdiv(N, _BT),)](xf, fn32, raw, ssq, N, K=K, MIX=MIX, MIXP=mixp, BT=_BT, BK=_BK,
-                                                    num_warps=4)
+            _mix_fwd_kernel[(triton.cdiv(N, _BT_FWD),)](xf, fn32, raw, ssq, N, K=K, MIX=MIX, MIXP=mixp, BT=_BT_FWD,
+                                                        BK=_BK, num_warps=4)
             _sinkhorn_fwd_kernel[(triton.cdiv(N, _BT_SINK),)](raw, ssq, base32, scale32, pre, post, comb, N, eps,
                                                               norm_eps, 1.0 / K, ITERS=iters, NH=n, NP=npow,
                                                               BT=_BT_SINK, num_warps=4)

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import fused, mhc
 from kernels.attention import block_softmax
+from kernels.logprob import token_logprob
 from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
 
@@ -828,12 +829,27 @@ class Transformer(nn.Module):
         hs, tgt = h[sel], targets[sel]
         lps, ent = [], h.new_zeros((), dtype=torch.float32)
         for s in range(0, hs.shape[0], chunk):
-            lp = (self.head(hs[s:s + chunk]).float() / temperature).log_softmax(-1)
-            lps.append(lp.gather(-1, tgt[s:s + chunk, None])[:, 0])
-            with torch.no_grad():
-                ent = ent - (lp.exp() * lp).sum()
+            lp, e = chunk_logprobs(self.head(hs[s:s + chunk]), tgt[s:s + chunk], temperature)
+            lps.append(lp)
+            ent = ent + e
         out = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
         return (out.masked_scatter(sel, torch.cat(lps)) if lps else out), ent
+
+
+def chunk_logprobs(logits, targets, temperature: float):
+    """logits (n, V), targets (n,) -> log-probs (n,) fp32 of the targets under softmax(logits / temperature), and
+    that distribution's entropy summed over the rows (a statistic: no gradient)."""
+    if use_triton(logits):  # one pass each way, no (n, V) fp32 copies
+        lp, ent = token_logprob(logits, targets, temperature)
+        return lp, ent.sum()
+    return _chunk_logprobs(logits, targets, temperature)
+
+
+def _chunk_logprobs(logits, targets, temperature: float):
+    lp = (logits.float() / temperature).log_softmax(-1)
+    with torch.no_grad():
+        ent = -(lp.exp() * lp).sum()
+    return lp.gather(-1, targets[:, None])[:, 0], ent
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int | None = 0) -> Transformer:

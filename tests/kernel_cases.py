@@ -93,6 +93,9 @@ def grad_case(fast, twin, inputs, seed: int = 0) -> float:
         g.manual_seed(seed)
         res.append([y.detach()] + list(torch.autograd.grad(y, xs, gy)))
     for a, b in zip(*res):
+        assert a.shape == b.shape, (a.shape, b.shape)
+        if b.numel() == 0:
+            continue
         worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item())
     return worst
 
@@ -143,3 +146,25 @@ def block_attention_case(device, B: int, nb: int, bq: int, W: int, H: int, d: in
     def twin(q, k, sink, *comp):
         return _attend_blocks(q.float(), k.float(), allowed, comp[0].float() if comp else None, ca, sink, scale)
     return grad_case(fast, twin, ins, seed)
+
+
+def logprob_case(device, n: int, V: int, temperature: float, dtype=torch.float32, seed: int = 0) -> float:
+    """model.chunk_logprobs' kernel (log-probs and entropy, backward through the log-probs) against its torch twin
+    computed in fp32 from the same logits. -> the worst relative difference of log-probs, entropy and gradient."""
+    from model.model import _chunk_logprobs, chunk_logprobs
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, V, generator=g) * 3).to(device, dtype)
+    tgt = torch.randint(0, V, (n,), generator=g).to(device)
+    ents = []
+
+    def fast(x):
+        lp, e = chunk_logprobs(x, tgt, temperature)
+        ents.append(e)
+        return lp
+
+    def twin(x):
+        lp, e = _chunk_logprobs(x.float(), tgt, temperature)
+        ents.append(e)
+        return lp
+    err = grad_case(fast, twin, [x], seed)
+    return max(err, (abs(ents[0] - ents[1]) / abs(ents[1]).clamp_min(1e-30)).item())

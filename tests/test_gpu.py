@@ -176,6 +176,14 @@ def test_training_block_attention(S, cb):
     assert block_attention_case("cuda", cb if cb > 1 else 2, 4, 128, 128, 16, 512, S, cb, torch.bfloat16) < 2e-2
 
 
+@pytest.mark.parametrize("n,t", [(1024, 1.0), (37, 0.6)])
+def test_training_token_logprobs(n, t):
+    """The head's log-probs and entropy kernel (forward and backward) on bf16 logits over the release vocabulary
+    against the fp32 torch twin."""
+    from tests.kernel_cases import logprob_case
+    assert logprob_case("cuda", n, 129280, t, torch.bfloat16) < 1e-2
+
+
 @pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
     (4, True, 512, 64, torch.bfloat16), (4, True, 128, 64, torch.float32), (128, False, 512, 64, torch.bfloat16),
     (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])

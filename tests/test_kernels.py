@@ -153,6 +153,9 @@ INTERPRETED = textwrap.dedent("""
     for B, nb, bq, W, H, d, S, cb in ((2, 3, 8, 4, 4, 16, 10, 2), (1, 2, 4, 4, 2, 8, 0, 1), (2, 1, 8, 8, 3, 16, 70, 1)):
         err = block_attention_case("cpu", B, nb, bq, W, H, d, S, cb)
         assert err < 1e-5, (B, nb, bq, W, H, d, S, cb, err)
+    from tests.kernel_cases import logprob_case
+    for n, V, t in ((5, 3000, 1.0), (3, 100, 0.7), (0, 64, 1.0)):
+        assert logprob_case("cpu", n, V, t) < 1e-5, (n, V, t)
     from tests.kernel_cases import hc_cases
     for n, D, N, iters in ((4, 96, 70, 20), (2, 64, 5, 3), (3, 40, 33, 1)):  # training's hyper-connections
         res = hc_cases("cpu", n, D, N, iters)
