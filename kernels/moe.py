@@ -241,3 +241,71 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         hq, sh, w2, s2 if scaled else w2, y, weights.reshape(-1).float().contiguous(), slots, bexp, T * k,
         K=I, D=D, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
     return y.view(T, k, D).sum(1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training: the weighted combine of the experts' outputs back to their tokens
+
+
+if triton is not None:
+    @triton.jit
+    def _combine_fwd(YS, INV, W, OUT, K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        """Token n, BD columns: OUT[n] = sum_j W[n, j] * YS[INV[n * K + j]] (fp32 sum)."""
+        n = tl.program_id(0).to(tl.int64)
+        rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        md = rd < D
+        acc = tl.zeros((BD,), tl.float32)
+        for j in range(K):
+            i = tl.load(INV + n * K + j)
+            w = tl.load(W + n * K + j).to(tl.float32)
+            acc += w * tl.load(YS + i * D + rd, mask=md, other=0.0).to(tl.float32)
+        tl.store(OUT + n * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
+
+    @triton.jit
+    def _combine_bwd(YS, INV, W, GOUT, GYS, GW, K: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        """Slot s = (n, j) at sorted row INV[s]: GYS[row] = W[s] * GOUT[n]; GW[s] = YS[row] . GOUT[n]."""
+        s = tl.program_id(0).to(tl.int64)
+        n = s // K
+        i = tl.load(INV + s)
+        w = tl.load(W + s).to(tl.float32)
+        dot = tl.zeros((BD,), tl.float32)
+        for d0 in range(0, D, BD):
+            rd = d0 + tl.arange(0, BD)
+            md = rd < D
+            g = tl.load(GOUT + n * D + rd, mask=md, other=0.0).to(tl.float32)
+            y = tl.load(YS + i * D + rd, mask=md, other=0.0).to(tl.float32)
+            tl.store(GYS + i * D + rd, (w * g).to(GYS.dtype.element_ty), mask=md)
+            dot += y * g
+        tl.store(GW + s, tl.sum(dot, 0))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ys, inv, w):
+        ys, inv, w = ys.contiguous(), inv.contiguous(), w.contiguous()
+        N, k = w.shape
+        D = ys.shape[1]
+        out = torch.empty(N, D, dtype=ys.dtype, device=ys.device)
+        if N:
+            bd = min(1024, pow2(D))
+            _combine_fwd[(N, triton.cdiv(D, bd))](ys, inv, w, out, K=k, D=D, BD=bd, num_warps=4)
+        ctx.save_for_backward(ys, inv, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        ys, inv, w = ctx.saved_tensors
+        N, k = w.shape
+        D = ys.shape[1]
+        gys = torch.empty_like(ys)
+        gw = torch.empty(N, k, dtype=torch.float32, device=ys.device)
+        if N:
+            _combine_bwd[(N * k,)](ys, inv, w, gout.contiguous(), gys, gw, K=k, D=D, BD=min(1024, pow2(D)),
+                                   num_warps=4)
+        return gys, None, gw.to(w.dtype)
+
+
+def combine_rows(ys, inv, w):
+    """ys (N * k, D) the experts' outputs in sorted order, inv (N * k,) the sorted row of each token slot, w (N, k)
+    -> (N, D) = sum_j w[n, j] * ys[inv[n * k + j]], in one pass (backward: one more); model.combine's fused form."""
+    return _Combine.apply(ys, inv, w)

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import fused, mhc
 from kernels.attention import block_softmax
 from kernels.logprob import token_logprob
+from kernels.moe import combine_rows
 from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
 
@@ -330,6 +331,8 @@ def _attend_blocks(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
 
 
 class Attention(nn.Module):
+    LOGITS_BUDGET = 1 << 28  # elements of one checkpointed chunk's logits (window + compressed entries)
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.cfg = cfg
@@ -376,12 +379,14 @@ class Attention(nn.Module):
         wa = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])  # (G, R, H*d/G)
         return self.wo_b(torch.einsum("btgi,gri->btgr", g, wa).flatten(2))
 
-    def forward(self, x, ctx, chunk: int = 512):
+    def forward(self, x, ctx, chunk: int | None = None):
         """Full-sequence path from position 0. x (B, T, D) -> (B, T, D).
 
         Queries go in blocks of `bq` tokens; a block's window keys are the `bq + window` positions before and in
         it, so its logits are one GEMM with the heads folded into the rows (all heads share the one KV head).
-        Chunks of blocks are checkpointed: only their inputs are kept, their logits are recomputed in backward."""
+        Chunks of blocks are checkpointed: only their inputs are kept, their logits are recomputed in backward.
+        chunk (tokens): by default as many as keep a chunk's logits under LOGITS_BUDGET elements (one chunk for
+        the whole sequence at mini's 8 x 2048: the window GEMM then folds batch and blocks without a copy)."""
         B, T, _ = x.shape
         pos = ctx["pos"]
         cos, sin = ctx[self.rope_kind]
@@ -398,6 +403,9 @@ class Attention(nn.Module):
             comp = comp.to(q.dtype)
         W = self.window
         bq = max(W, 128)
+        if chunk is None:
+            S = 0 if comp is None else comp.shape[1]
+            chunk = self.LOGITS_BUDGET // max(1, B * self.n_heads * (bq + W + S))
         chunk = bq * max(1, chunk // bq)
         Tp = -(-T // bq) * bq
         if Tp > T:  # pad the queries to whole blocks (their rows are dropped below)
@@ -409,13 +417,15 @@ class Attention(nn.Module):
         c = torch.arange(bq + W, device=x.device)
         local = (c > t) & (c <= t + W)  # (bq, bq + W): query offset t sees key offset c
         outs = []
-        for s in range(0, Tp, chunk):
-            e = min(Tp, s + chunk)
+        # split, not sliced per chunk: the backward is one concatenation, not a zero-filled copy of q per chunk
+        for i, qc in enumerate(q.split(chunk, dim=1)):
+            s = i * chunk
+            e = s + qc.shape[1]
             nb = (e - s) // bq
             keys = kvp[:, s:e + W].unfold(1, bq + W, bq).transpose(-1, -2)  # (B, nb, bq + W, d)
             starts = s - W + bq * torch.arange(nb, device=x.device)
             allowed = local & (starts[:, None, None] + c >= 0)  # (nb, bq, bq + W)
-            args = (q[:, s:e], keys, allowed, comp, None if comp_mask is None else comp_mask[:, s:e],
+            args = (qc, keys, allowed, comp, None if comp_mask is None else comp_mask[:, s:e],
                     self.attn_sink, self.scale)
             if torch.is_grad_enabled():  # keep the chunk's inputs only; its logits are recomputed in backward
                 outs.append(checkpoint(attend_blocks, *args, use_reentrant=False))
@@ -571,8 +581,14 @@ def permute(x, perm):
 def combine(ys, order, w):
     """ys (N * k, D): the experts' outputs of the token slots in `order` (a permutation of the N * k slots), w
     (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a weighted sum over k (no atomics)."""
+    if use_triton(ys):
+        return combine_rows(ys, inverse(order), w)
+    return _combine(ys, order, w)
+
+
+def _combine(ys, order, w):
     N, k = w.shape
-    ys = _Rows.apply(ys, inverse(order), order, 1).view(N, k, -1)  # permute(ys, inverse(order))
+    ys = _Rows.apply(ys, inverse(order), order, 1).view(N, k, ys.shape[-1])  # permute(ys, inverse(order))
     return (ys * w[..., None].to(ys.dtype)).sum(1)
 
 

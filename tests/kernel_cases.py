@@ -168,3 +168,15 @@ def logprob_case(device, n: int, V: int, temperature: float, dtype=torch.float32
         return lp
     err = grad_case(fast, twin, [x], seed)
     return max(err, (abs(ents[0] - ents[1]) / abs(ents[1]).clamp_min(1e-30)).item())
+
+
+def combine_case(device, N: int, k: int, D: int, dtype=torch.float32, seed: int = 0) -> float:
+    """kernels.moe.combine_rows against model._combine (gather, product, k-sum in torch, computed in fp32), for
+    the experts' outputs and the router weights: grad_case's worst relative difference."""
+    from kernels.moe import combine_rows
+    from model.model import _combine, inverse
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(N * k, generator=g).to(device)
+    ins = [torch.randn(N * k, D, generator=g).to(device, dtype), torch.rand(N, k, generator=g).to(device)]
+    return grad_case(lambda ys, w: combine_rows(ys, inverse(order), w),
+                     lambda ys, w: _combine(ys.float(), order, w), ins, seed)

@@ -184,6 +184,14 @@ def test_training_token_logprobs(n, t):
     assert logprob_case("cuda", n, 129280, t, torch.bfloat16) < 1e-2
 
 
+@pytest.mark.parametrize("N,k", [(16384, 6), (33, 1)])
+def test_training_moe_combine(N, k):
+    """The MoE combine kernel (weighted k-sum back to tokens, forward and backward) in bf16 at mini's width
+    against the fp32 torch twin."""
+    from tests.kernel_cases import combine_case
+    assert combine_case("cuda", N, k, 2048, torch.bfloat16) < 1e-2
+
+
 @pytest.mark.parametrize("ratio,overlap,hd,rd,dtype", [
     (4, True, 512, 64, torch.bfloat16), (4, True, 128, 64, torch.float32), (128, False, 512, 64, torch.bfloat16),
     (3, True, 64, 16, torch.float32), (10, False, 64, 64, torch.float32)])

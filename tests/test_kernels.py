@@ -153,6 +153,9 @@ INTERPRETED = textwrap.dedent("""
     for B, nb, bq, W, H, d, S, cb in ((2, 3, 8, 4, 4, 16, 10, 2), (1, 2, 4, 4, 2, 8, 0, 1), (2, 1, 8, 8, 3, 16, 70, 1)):
         err = block_attention_case("cpu", B, nb, bq, W, H, d, S, cb)
         assert err < 1e-5, (B, nb, bq, W, H, d, S, cb, err)
+    from tests.kernel_cases import combine_case
+    for N, k, D in ((7, 3, 40), (1, 1, 16), (0, 2, 8), (20, 6, 130)):
+        assert combine_case("cpu", N, k, D) < 1e-5, (N, k, D)
     from tests.kernel_cases import logprob_case
     for n, V, t in ((5, 3000, 1.0), (3, 100, 0.7), (0, 64, 1.0)):
         assert logprob_case("cpu", n, V, t) < 1e-5, (n, V, t)
