@@ -16,9 +16,10 @@ for part in "$@"; do
         --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
       grep -E "^fp8|^bf16|^long|^transformers" "$OUT/rollout.log" ;;
     train)
-      timeout 240 torchrun --standalone --nproc-per-node 1 bench/train.py --compile --json "$OUT/train1_compile.json" 2>&1 | grep -E "MFU|Error"
-      timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --compile --ckpt --json "$OUT/train1_compile_ckpt.json" 2>&1 | grep -E "MFU|Error"
-      [ "$NGPU" -ge 2 ] && timeout 240 torchrun --standalone --nproc-per-node 2 bench/train.py --compile --json "$OUT/train2_compile.json" 2>&1 | grep -E "MFU|Error" ;;
+      timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --json "$OUT/train1.json" 2>&1 | grep -E "MFU|Error"
+      timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --batch 4 --json "$OUT/train1_b4.json" 2>&1 | grep -E "MFU|Error"
+      timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --ckpt --json "$OUT/train1_ckpt.json" 2>&1 | grep -E "MFU|Error"
+      [ "$NGPU" -ge 2 ] && timeout 240 torchrun --standalone --nproc-per-node 2 bench/train.py --json "$OUT/train2.json" 2>&1 | grep -E "MFU|Error" ;;
     sync)
       for mb in 64 256 1024; do
         timeout 200 torchrun --standalone --nproc-per-node 2 bench/sync.py --bucket-mb $mb --json "$OUT/sync$mb.json" > "$OUT/sync$mb.log" 2>&1
