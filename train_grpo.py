@@ -68,7 +68,7 @@ from tqdm import tqdm
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
 from model.model import Transformer, compile_fusions
-from model.parallel import (AdamW, EPExperts, clip_grad_norm, copy_full_state, full_state, local,
+from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, sharded_actor)
 from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
@@ -752,7 +752,7 @@ class Actor:
                 s["tis_trunc"] += st["tis_trunc"]
             if i == 0:
                 fault_point("train")
-            gn = clip_grad_norm(self.params, cfg.train.grad_clip, d.actor_group)
+            gn = clip_grad_norm(self.params, cfg.train.grad_clip, d.actor_group, scale=False)  # AdamW applies it
             bad = torch.tensor([0.0 if finite and math.isfinite(gn) else 1.0], device=d.device)
             if d.n_actor > 1:  # every rank skips the same updates
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=d.actor_group)
@@ -762,7 +762,7 @@ class Actor:
                 continue
             s["grad_norm"] += gn
             applied += 1
-            self.opt.step(self.lr_at(self.opt_steps))
+            self.opt.step(self.lr_at(self.opt_steps), clip=clip_coef(gn, cfg.train.grad_clip))
             self.opt_steps += 1
         s["grad_norm"] /= max(applied, 1)
         s["loss"] /= len(mbs)

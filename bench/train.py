@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.parallel import AdamW, clip_grad_norm, copy_full_state, make_actor_groups, sharded_actor  # noqa: E402
+from model.parallel import AdamW, clip_coef, clip_grad_norm, copy_full_state, make_actor_groups, sharded_actor  # noqa: E402
 from bench.model_fwd_bwd import matmul_peak  # noqa: E402
 
 
@@ -69,8 +69,8 @@ def main(argv=None):
         lp, _ = model(ids, attention_mask=torch.ones_like(ids), targets_mask=mask)
         loss = -(lp * adv * mask).sum() / (mask.sum() * world)
         loss.backward()
-        clip_grad_norm(params, 1.0, mesh.actor_group)
-        opt.step()
+        norm = clip_grad_norm(params, 1.0, mesh.actor_group, scale=False)
+        opt.step(clip=clip_coef(norm, 1.0))
         opt.zero_grad()
 
     step()  # warm up

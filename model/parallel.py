@@ -184,9 +184,15 @@ def full_state(model: Transformer, mesh: ActorMesh | None):
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float, group) -> float:
+def clip_coef(norm: float, max_norm: float) -> float:
+    """The factor clipping multiplies gradients by: max_norm / norm above max_norm, else 1."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+
+
+def clip_grad_norm(params, max_norm: float, group, scale: bool = True) -> float:
     """Global gradient norm over every rank's local shards (each element lives on exactly one rank);
-    scales the gradients down to max_norm. Returns the norm before clipping."""
+    scales the gradients down to max_norm (scale=False leaves that to AdamW.step(clip=clip_coef(norm, max_norm)),
+    which folds it into its fused kernel). Returns the norm before clipping."""
     grads = [local(p.grad) for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     if grads:  # per-tensor norms in one foreach launch, combined in fp64
@@ -194,8 +200,8 @@ def clip_grad_norm(params, max_norm: float, group) -> float:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = math.sqrt(float(sq))
-    if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    if scale and clip_coef(norm, max_norm) != 1.0:
+        torch._foreach_mul_(grads, clip_coef(norm, max_norm))
     return norm
 
 
@@ -210,7 +216,7 @@ class AdamW:
         self.params = [(n, p, p.ndim >= 2) for n, p in named_params if p.requires_grad]
         self.lr, self.betas, self.eps, self.wd, self.offload = lr, betas, eps, weight_decay, offload
         self.foreach = foreach and not offload
-        self._step = None  # the step count as a device tensor, for the fused kernel
+        self._step = self._scale = None  # the step count and 1 / clip as device tensors, for the fused kernel
         self.t = 0
         self.state = {}
         for n, p, _ in self.params:
@@ -226,7 +232,8 @@ class AdamW:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float | None = None):
+    def step(self, lr: float | None = None, clip: float = 1.0):
+        """One update; clip multiplies the gradients first (clip_coef), inside the fused kernel."""
         lr = self.lr if lr is None else lr
         b1, b2 = self.betas
         self.t += 1
@@ -243,13 +250,19 @@ class AdamW:
                 if self._step is None or self._step.device != dev:
                     self._step = torch.zeros((), dtype=torch.float32, device=dev)
                 self._step.fill_(self.t)
+                if clip != 1.0 and (self._scale is None or self._scale.device != dev):
+                    self._scale = torch.zeros((), dtype=torch.float32, device=dev)
+                if clip != 1.0:
+                    self._scale.fill_(1.0 / clip)  # the kernel divides the gradients by grad_scale
                 torch._fused_adamw_([local(p) for _, p in group], [local(p.grad).float() for _, p in group],
                                     [self.state[n][0] for n, _ in group], [self.state[n][1] for n, _ in group], [],
                                     [self._step] * len(group), lr=lr, beta1=b1, beta2=b2,
                                     weight_decay=self.wd if decay else 0.0, eps=self.eps, amsgrad=False,
-                                    maximize=False)
+                                    maximize=False, grad_scale=self._scale if clip != 1.0 else None)
         for n, p, decay in live:
             w, g = local(p), local(p.grad).float()
+            if clip != 1.0:
+                g = g * clip
             m, v = self.state[n]
             if self.offload:
                 m, v = m.to(w.device, non_blocking=True), v.to(w.device, non_blocking=True)

@@ -71,14 +71,14 @@ def test_replay_statistics_count_routing_differences():
 
 
 def test_foreach_adamw_and_clipping_match_the_loop():
-    """The fused multi-tensor AdamW update (fp32 weights) is the per-tensor loop's within fp32 rounding, over steps
-    with weight decay, a vector without decay and a parameter without gradient; clip_grad_norm's foreach norm is the
-    fp64 norm of all gradients."""
-    from model.parallel import AdamW, clip_grad_norm
+    """The fused multi-tensor AdamW update (fp32 weights, clipping folded in) is the per-tensor loop's after
+    clip_grad_norm's own scaling, within fp32 rounding, over steps with weight decay, a vector without decay and a
+    parameter without gradient; clip_grad_norm's foreach norm is the fp64 norm of all gradients."""
+    from model.parallel import AdamW, clip_coef, clip_grad_norm
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (13,), (3, 4, 6), (2, 2)]
     runs = []
-    for foreach in (True, False):
+    for foreach, fold in ((True, True), (False, False), (False, True)):  # fused; the loop, clipped by either
         g.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
         opt = AdamW([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
@@ -88,14 +88,16 @@ def test_foreach_adamw_and_clipping_match_the_loop():
             for p in ps[:-1]:  # the last one never gets a gradient
                 p.grad = torch.randn(p.shape, generator=g)
             want = torch.cat([p.grad.double().flatten() for p in ps[:-1]]).norm().item()
-            norms.append((clip_grad_norm(ps, 1.0, None), want))
-            opt.step()
+            norm = clip_grad_norm(ps, 1.0, None, scale=not fold)
+            norms.append((norm, want))
+            opt.step(clip=clip_coef(norm, 1.0) if fold else 1.0)
             opt.zero_grad()
         runs.append([p.detach().clone() for p in ps])
         for got, want in norms:
             assert abs(got - want) < 1e-6 * want
-    for a, b in zip(*runs):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
 
 
 def test_expert_dispatch_and_combine_gradients():
