@@ -165,7 +165,7 @@ class TrainConfig:
     dtype: str = "fp32"               # compute dtype (FSDP2 param_dtype); master weights and grads are fp32
     ep: int = 1                       # expert-parallel degree over the actor ranks
     optimizer_offload: bool = False   # AdamW moments in host memory, streamed through the GPU per parameter
-    compile: bool = False             # torch.compile the elementwise chains (mHC, RoPE, norms, softmax, SwiGLU)
+    compile: bool = False             # torch.compile the torch twins (CPU; GPUs run the Triton kernels instead)
     activation_checkpointing: bool = False
     max_nonfinite_steps: int = 3      # NaN/Inf loss or gradient: the update is skipped; this many steps in a row stop
 

@@ -670,7 +670,8 @@ def _hc_post(out, x, post, comb):
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 
-# The training path's elementwise chains: eager here, compiled by compile_fusions() (the eager ones are the twins).
+# The torch twins of the training path's fused ops: eager here, compiled by compile_fusions(). Where Triton runs
+# (GPUs) the model calls the kernels in kernels/ instead (forward and backward), so this matters on CPU.
 IMPL = {"rms": _rms, "rms_unweighted": _rms_unweighted, "rope": _rope, "attend": _attend,
         "attend_blocks": _attend_blocks, "swiglu": _swiglu,
         "hc_pre": _hc_pre, "hc_post": _hc_post}
