@@ -402,7 +402,7 @@ class Attention(nn.Module):
                 comp_mask = (torch.arange(S, device=x.device) < ((pos + 1) // self.compressor.ratio)[:, None])[None]
             comp = comp.to(q.dtype)
         W = self.window
-        bq = max(W, 128)
+        bq = max(W, min(128, T))  # blocks of 128 queries (fewer for short sequences: no padding to 128)
         if chunk is None:
             S = 0 if comp is None else comp.shape[1]
             chunk = self.LOGITS_BUDGET // max(1, B * self.n_heads * (bq + W + S))
