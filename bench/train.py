@@ -35,7 +35,8 @@ def main(argv=None):
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the elementwise chains")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the torch twins of the fused ops (no effect where the Triton kernels run)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

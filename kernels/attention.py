@@ -187,6 +187,24 @@ def index_scores(qi, wi, pool, table, count, S: int):
 
 if triton is not None:
     @triton.jit
+    def _comp_tile(LC, CALLOWED, r, b, tok, mr, s0, S, cb_stride, scale, BS: tl.constexpr):
+        """Columns [s0, s0 + BS) of the compressed-entry logits of rows r, scaled, -inf where not allowed."""
+        rs = s0 + tl.arange(0, BS)
+        ms = mr[:, None] & (rs[None, :] < S)
+        okc = tl.load(CALLOWED + b[:, None] * cb_stride + tok[:, None] * S + rs[None, :], mask=ms, other=0) != 0
+        lc = tl.load(LC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32) * scale
+        return rs, ms, tl.where(okc, lc, float("-inf"))
+
+    @triton.jit
+    def _pair_tile(P, G, r, mr, s0, S, BS: tl.constexpr):
+        """Columns [s0, s0 + BS) of rows r of two (R, S) tensors (probabilities and their gradient), fp32."""
+        rs = s0 + tl.arange(0, BS)
+        ms = mr[:, None] & (rs[None, :] < S)
+        off = r[:, None] * S + rs[None, :]
+        p = tl.load(P + off, mask=ms, other=0.0).to(tl.float32)
+        return rs, ms, p, tl.load(G + off, mask=ms, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _block_softmax_fwd(LW, LC, ALLOWED, CALLOWED, SINK, PW, PC, LSE, R, S, SCAP: tl.constexpr,
                            DYNAMIC: tl.constexpr, cb_stride, scale, H: tl.constexpr, C: tl.constexpr,
                            K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
@@ -205,11 +223,7 @@ if triton is not None:
         m = tl.maximum(tl.max(lw, 1), sink)
         lsum = tl.exp(sink - m) + tl.sum(tl.exp(lw - m[:, None]), 1)
         for s0 in range(0, S if DYNAMIC else SCAP, BS):  # the compressed entries, online
-            rs = s0 + tl.arange(0, BS)
-            ms = mr[:, None] & (rs[None, :] < S)
-            okc = tl.load(CALLOWED + b[:, None] * cb_stride + tok[:, None] * S + rs[None, :], mask=ms, other=0) != 0
-            lc = tl.load(LC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32) * scale
-            lc = tl.where(okc, lc, float("-inf"))
+            rs, ms, lc = _comp_tile(LC, CALLOWED, r, b, tok, mr, s0, S, cb_stride, scale, BS)
             m2 = tl.maximum(m, tl.max(lc, 1))
             lsum = lsum * tl.exp(m - m2) + tl.sum(tl.exp(lc - m2[:, None]), 1)
             m = m2
@@ -217,12 +231,8 @@ if triton is not None:
         tl.store(LSE + r, lse, mask=mr)
         tl.store(PW + r[:, None] * K + rk[None, :], tl.exp(lw - lse[:, None]).to(PW.dtype.element_ty), mask=mk)
         for s0 in range(0, S if DYNAMIC else SCAP, BS):
-            rs = s0 + tl.arange(0, BS)
-            ms = mr[:, None] & (rs[None, :] < S)
-            okc = tl.load(CALLOWED + b[:, None] * cb_stride + tok[:, None] * S + rs[None, :], mask=ms, other=0) != 0
-            lc = tl.load(LC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32) * scale
-            p = tl.where(okc, tl.exp(lc - lse[:, None]), 0.0)
-            tl.store(PC + r[:, None] * S + rs[None, :], p.to(PC.dtype.element_ty), mask=ms)
+            rs, ms, lc = _comp_tile(LC, CALLOWED, r, b, tok, mr, s0, S, cb_stride, scale, BS)
+            tl.store(PC + r[:, None] * S + rs[None, :], tl.exp(lc - lse[:, None]).to(PC.dtype.element_ty), mask=ms)
 
     @triton.jit
     def _block_softmax_bwd(PW, PC, GPW, GPC, LSE, SINK, GLW, GLC, GSINK, R, S, SCAP: tl.constexpr,
@@ -237,18 +247,12 @@ if triton is not None:
         gw = tl.load(GPW + r[:, None] * K + rk[None, :], mask=mk, other=0.0).to(tl.float32)
         dot = tl.sum(pw * gw, 1)
         for s0 in range(0, S if DYNAMIC else SCAP, BS):
-            rs = s0 + tl.arange(0, BS)
-            ms = mr[:, None] & (rs[None, :] < S)
-            pc = tl.load(PC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
-            gc = tl.load(GPC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            rs, ms, pc, gc = _pair_tile(PC, GPC, r, mr, s0, S, BS)
             dot += tl.sum(pc * gc, 1)
         tl.store(GLW + r[:, None] * K + rk[None, :], (pw * (gw - dot[:, None]) * scale).to(GLW.dtype.element_ty),
                  mask=mk)
         for s0 in range(0, S if DYNAMIC else SCAP, BS):
-            rs = s0 + tl.arange(0, BS)
-            ms = mr[:, None] & (rs[None, :] < S)
-            pc = tl.load(PC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
-            gc = tl.load(GPC + r[:, None] * S + rs[None, :], mask=ms, other=0.0).to(tl.float32)
+            rs, ms, pc, gc = _pair_tile(PC, GPC, r, mr, s0, S, BS)
             tl.store(GLC + r[:, None] * S + rs[None, :], (pc * (gc - dot[:, None]) * scale).to(GLC.dtype.element_ty),
                      mask=ms)
         sink = tl.load(SINK + r % H, mask=mr, other=0.0)
@@ -292,8 +296,8 @@ class _BlockSoftmax(torch.autograd.Function):
         glw, glc = torch.empty_like(pw), torch.empty_like(pc)
         gsink = torch.empty(R, dtype=torch.float32, device=pw.device)
         if R:
-            _block_softmax_bwd[(triton.cdiv(R, _BR),)](pw, pc, gpw, gpc, lse, sink.float().contiguous(), glw, glc, gsink,
-                                                       R, S, S if not pw.is_cuda else 0, pw.is_cuda, ctx.scale,
+            _block_softmax_bwd[(triton.cdiv(R, _BR),)](pw, pc, gpw, gpc, lse, sink.float().contiguous(), glw, glc,
+                                                       gsink, R, S, S if not pw.is_cuda else 0, pw.is_cuda, ctx.scale,
                                                        H=ctx.H, K=K, KP=triton.next_power_of_2(K), BR=_BR, BS=64,
                                                        num_warps=4)
         gs = gsink.view(-1, ctx.H).sum(0).to(sink.dtype)

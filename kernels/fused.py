@@ -21,6 +21,11 @@ if triton is not None:
     import triton.language as tl
 
 
+def needs_grad(*ts) -> bool:
+    """Whether autograd will want a backward through these inputs (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 def fused_ok(x: torch.Tensor) -> bool:
     """For the forward-only kernels: inference engines (torch.inference_mode) on a GPU."""
     return use_triton(x) and torch.is_inference_mode_enabled()
@@ -203,7 +208,7 @@ class _Swiglu(torch.autograd.Function):
 def swiglu(g, u, limit: float):
     """The fused twin of model._swiglu: silu(g.clamp(max=limit)) * u.clamp(-limit, limit), one pass (and one
     backward pass when autograd needs it)."""
-    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+    if needs_grad(g, u):
         return _Swiglu.apply(g, u, limit)
     return _swiglu_fwd(g, u, limit)
 
@@ -275,7 +280,7 @@ class _RmsNorm(torch.autograd.Function):
 
 def rms_norm(x, weight, eps: float):
     """weight None: the unweighted norm. Differentiable (a backward kernel) when autograd needs it."""
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+    if needs_grad(x, weight):
         return _RmsNorm.apply(x, weight, eps)
     return _rms_fwd(x, weight, eps)
 
@@ -348,6 +353,6 @@ def rope(x, cos, sin, inverse: bool = False):
         per *= s
     cos, sin = cos.contiguous().float(), sin.contiguous().float()
     sign = -1.0 if inverse else 1.0
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad(x):
         return _Rope.apply(x, cos, sin, sign, per)
     return _rope_launch(x, cos, sin, sign, per)

@@ -392,7 +392,7 @@ class Attention(nn.Module):
         cos, sin = ctx[self.rope_kind]
         q, q_res = self.project_q(x, cos, sin)
         kv = self.project_kv(x, cos, sin)
-        comp, comp_mask = None, None
+        comp, comp_mask, S = None, None, 0
         if self.compressor is not None:
             comp = self.compressor(x, ctx["compress"])
             S = comp.shape[1]
@@ -404,7 +404,6 @@ class Attention(nn.Module):
         W = self.window
         bq = max(W, min(128, T))  # blocks of 128 queries (fewer for short sequences: no padding to 128)
         if chunk is None:
-            S = 0 if comp is None else comp.shape[1]
             chunk = self.LOGITS_BUDGET // max(1, B * self.n_heads * (bq + W + S))
         chunk = bq * max(1, chunk // bq)
         Tp = -(-T // bq) * bq
@@ -542,7 +541,8 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_local)
-        return combine(self.forward_sorted(dispatch(x, order, k), counts), order, w)
+        inv = inverse(order)
+        return combine(self.forward_sorted(dispatch(x, order, k, inv), counts), order, w, inv)
 
 
 def inverse(perm):
@@ -568,9 +568,9 @@ class _Rows(torch.autograd.Function):
         return (gx.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else gx), None, None, None
 
 
-def dispatch(x, order, k: int):
-    """x (N, D) -> x[order // k]: each token once per slot, the N * k slots in `order`."""
-    return _Rows.apply(x, order // k, inverse(order), k)
+def dispatch(x, order, k: int, inv=None):
+    """x (N, D) -> x[order // k]: each token once per slot, the N * k slots in `order` (inv: inverse(order))."""
+    return _Rows.apply(x, order // k, inverse(order) if inv is None else inv, k)
 
 
 def permute(x, perm):
@@ -578,17 +578,20 @@ def permute(x, perm):
     return _Rows.apply(x, perm, inverse(perm), 1)
 
 
-def combine(ys, order, w):
+def combine(ys, order, w, inv=None):
     """ys (N * k, D): the experts' outputs of the token slots in `order` (a permutation of the N * k slots), w
-    (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a weighted sum over k (no atomics)."""
+    (N, k) -> (N, D) = sum_k w * y. A gather back to slot order, then a weighted sum over k (no atomics).
+    inv: inverse(order), if the caller has it."""
+    inv = inverse(order) if inv is None else inv
     if use_triton(ys):
-        return combine_rows(ys, inverse(order), w)
-    return _combine(ys, order, w)
+        return combine_rows(ys, inv, w)
+    return _combine(ys, order, w, inv)
 
 
-def _combine(ys, order, w):
+def _combine(ys, order, w, inv=None):
     N, k = w.shape
-    ys = _Rows.apply(ys, inverse(order), order, 1).view(N, k, ys.shape[-1])  # permute(ys, inverse(order))
+    inv = inverse(order) if inv is None else inv
+    ys = _Rows.apply(ys, inv, order, 1).view(N, k, ys.shape[-1])  # permute(ys, inv)
     return (ys * w[..., None].to(ys.dtype)).sum(1)
 
 

@@ -86,7 +86,9 @@ class EPExperts(Experts):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         sc, rc = send.tolist(), recv.tolist()
-        x_recv = dist_nn.all_to_all_single(x.new_empty(sum(rc), D), dispatch(x, order, k), rc, sc, group=self.group)
+        inv = inverse(order)
+        x_recv = dist_nn.all_to_all_single(x.new_empty(sum(rc), D), dispatch(x, order, k, inv), rc, sc,
+                                           group=self.group)
         e_send = (flat - dest * self.n_local)[order]
         e_recv = e_send.new_empty(sum(rc))
         dist.all_to_all_single(e_recv, e_send, rc, sc, group=self.group)
@@ -94,7 +96,7 @@ class EPExperts(Experts):
         y_sorted = self.forward_sorted(permute(x_recv, o2), torch.bincount(e_recv, minlength=self.n_local))
         y_recv = permute(y_sorted, inverse(o2))
         y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
-        return combine(y_back, order, w)
+        return combine(y_back, order, w, inv)
 
 
 def use_expert_parallel(model: Transformer, mesh: ActorMesh):
@@ -183,12 +185,12 @@ def full_state(model: Transformer, mesh: ActorMesh | None):
         yield name, full
 
 
-@torch.no_grad()
 def clip_coef(norm: float, max_norm: float) -> float:
     """The factor clipping multiplies gradients by: max_norm / norm above max_norm, else 1."""
     return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
 
 
+@torch.no_grad()
 def clip_grad_norm(params, max_norm: float, group, scale: bool = True) -> float:
     """Global gradient norm over every rank's local shards (each element lives on exactly one rank);
     scales the gradients down to max_norm (scale=False leaves that to AdamW.step(clip=clip_coef(norm, max_norm)),
@@ -200,23 +202,24 @@ def clip_grad_norm(params, max_norm: float, group, scale: bool = True) -> float:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = math.sqrt(float(sq))
-    if scale and clip_coef(norm, max_norm) != 1.0:
-        torch._foreach_mul_(grads, clip_coef(norm, max_norm))
+    coef = clip_coef(norm, max_norm)
+    if scale and coef != 1.0:
+        torch._foreach_mul_(grads, coef)
     return norm
 
 
 class AdamW:
     """AdamW (decoupled weight decay, torch.optim.AdamW's formula) over local shards; offload=True keeps the
     moments in (pinned) host memory and streams each parameter's through the device for its update.
-    foreach=True updates the fp32 weights with torch's fused multi-tensor AdamW kernel; False is the per-tensor loop
+    fused=True updates the fp32 weights with torch's fused multi-tensor AdamW kernel; False is the per-tensor loop
     (its twin: the same formula, equal within fp32 rounding)."""
 
     def __init__(self, named_params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 offload: bool = False, foreach: bool = True):
+                 offload: bool = False, fused: bool = True):
         self.params = [(n, p, p.ndim >= 2) for n, p in named_params if p.requires_grad]
         self.lr, self.betas, self.eps, self.wd, self.offload = lr, betas, eps, weight_decay, offload
-        self.foreach = foreach and not offload
-        self._step = self._scale = None  # the step count and 1 / clip as device tensors, for the fused kernel
+        self.fused = fused and not offload
+        self._scalars = {}  # the fused kernel's step count and 1 / clip, as device tensors
         self.t = 0
         self.state = {}
         for n, p, _ in self.params:
@@ -239,7 +242,7 @@ class AdamW:
         self.t += 1
         bc1, bc2 = 1 - b1 ** self.t, math.sqrt(1 - b2 ** self.t)
         live = [(n, p, decay) for n, p, decay in self.params if p.grad is not None]
-        if self.foreach:  # fp32 weights: the same update as the loop below, one fused multi-tensor kernel per group
+        if self.fused:  # fp32 weights: the same update as the loop below, one fused multi-tensor kernel per group
             fast = [(n, p, decay) for n, p, decay in live if local(p).dtype == torch.float32]
             live = [e for e in live if local(e[1]).dtype != torch.float32]
             for decay in (True, False):
@@ -247,18 +250,12 @@ class AdamW:
                 if not group:
                     continue
                 dev = local(group[0][1]).device
-                if self._step is None or self._step.device != dev:
-                    self._step = torch.zeros((), dtype=torch.float32, device=dev)
-                self._step.fill_(self.t)
-                if clip != 1.0 and (self._scale is None or self._scale.device != dev):
-                    self._scale = torch.zeros((), dtype=torch.float32, device=dev)
-                if clip != 1.0:
-                    self._scale.fill_(1.0 / clip)  # the kernel divides the gradients by grad_scale
+                scale = self._scalar("scale", 1.0 / clip, dev) if clip != 1.0 else None  # the kernel divides by it
                 torch._fused_adamw_([local(p) for _, p in group], [local(p.grad).float() for _, p in group],
                                     [self.state[n][0] for n, _ in group], [self.state[n][1] for n, _ in group], [],
-                                    [self._step] * len(group), lr=lr, beta1=b1, beta2=b2,
+                                    [self._scalar("step", self.t, dev)] * len(group), lr=lr, beta1=b1, beta2=b2,
                                     weight_decay=self.wd if decay else 0.0, eps=self.eps, amsgrad=False,
-                                    maximize=False, grad_scale=self._scale if clip != 1.0 else None)
+                                    maximize=False, grad_scale=scale)
         for n, p, decay in live:
             w, g = local(p), local(p.grad).float()
             if clip != 1.0:
@@ -276,6 +273,12 @@ class AdamW:
                 self.state[n][1].copy_(v, non_blocking=True)
         if self.offload and torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def _scalar(self, key: str, value: float, dev) -> torch.Tensor:
+        t = self._scalars.get(key)
+        if t is None or t.device != dev:
+            t = self._scalars[key] = torch.zeros((), dtype=torch.float32, device=dev)
+        return t.fill_(value)
 
     def state_tensors(self) -> dict:
         out = {}

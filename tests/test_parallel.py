@@ -70,7 +70,7 @@ def test_replay_statistics_count_routing_differences():
     assert diff[1] == 0 and 9 <= diff[2] <= 10
 
 
-def test_foreach_adamw_and_clipping_match_the_loop():
+def test_fused_adamw_and_clipping_match_the_loop():
     """The fused multi-tensor AdamW update (fp32 weights, clipping folded in) is the per-tensor loop's after
     clip_grad_norm's own scaling, within fp32 rounding, over steps with weight decay, a vector without decay and a
     parameter without gradient; clip_grad_norm's foreach norm is the fp64 norm of all gradients."""
@@ -78,11 +78,11 @@ def test_foreach_adamw_and_clipping_match_the_loop():
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (13,), (3, 4, 6), (2, 2)]
     runs = []
-    for foreach, fold in ((True, True), (False, False), (False, True)):  # fused; the loop, clipped by either
+    for fused, fold in ((True, True), (False, False), (False, True)):  # fused; the loop, clipped by either
         g.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
         opt = AdamW([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
-                    foreach=foreach)
+                    fused=fused)
         norms = []
         for _ in range(3):
             for p in ps[:-1]:  # the last one never gets a gradient
