@@ -69,7 +69,7 @@ from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml
 from model.model import Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
-                            make_actor_groups, sharded_actor)
+                            make_actor_groups, reshard, sharded_actor)
 from model.weights import load_state, release_tensors
 from model.tasks import DigitTask, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -167,6 +167,8 @@ class TrainConfig:
     optimizer_offload: bool = False   # AdamW moments in host memory, streamed through the GPU per parameter
     compile: bool = False             # torch.compile the torch twins (CPU; GPUs run the Triton kernels instead)
     activation_checkpointing: bool = False
+    reshard_after_forward: bool = True  # False: blocks keep their gathered weights from forward to backward (no
+    #                                     backward all-gathers; the whole model's working copy stays on each rank)
     max_nonfinite_steps: int = 3      # NaN/Inf loss or gradient: the update is skipped; this many steps in a row stop
 
     LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -641,7 +643,7 @@ class Actor:
     def __init__(self, cfg: RunConfig, d: Dist):
         self.cfg, self.d = cfg, d
         t = cfg.train
-        model = sharded_actor(cfg.model, d.mesh, DTYPES[t.dtype], d.device)
+        model = sharded_actor(cfg.model, d.mesh, DTYPES[t.dtype], d.device, t.reshard_after_forward)
         if cfg.init_from:  # each rank reads only its experts and its FSDP rows
             load_state(model, cfg.init_from, d.device, progress=d.rank == 0)
         else:
@@ -762,6 +764,7 @@ class Actor:
                 continue
             s["grad_norm"] += gn
             applied += 1
+            reshard(self.model)  # no gathered copy may outlive the update (a no-grad pass leaves them gathered)
             self.opt.step(self.lr_at(self.opt_steps), clip=clip_coef(gn, cfg.train.grad_clip))
             self.opt_steps += 1
         s["grad_norm"] /= max(applied, 1)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.parallel import AdamW, clip_coef, clip_grad_norm, copy_full_state, make_actor_groups, sharded_actor  # noqa: E402
+from model.parallel import (AdamW, clip_coef, clip_grad_norm, copy_full_state, make_actor_groups,  # noqa: E402
+                            reshard, sharded_actor)
 from bench.model_fwd_bwd import matmul_peak  # noqa: E402
 
 
@@ -34,7 +35,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--reshard", action=argparse.BooleanOptionalAction,
+                    help="FSDP reshard_after_forward (default: the config's train.reshard_after_forward); "
+                         "--no-reshard keeps the gathered bf16 weights from forward to backward")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trace", type=Path, help="with --profile: also write the step's Chrome trace (.json.gz) here")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the torch twins of the fused ops (no effect where the Triton kernels run)")
     ap.add_argument("--json", type=Path)
@@ -47,9 +52,11 @@ def main(argv=None):
     cfg = ModelConfig.from_dict(raw["model"], f"{args.config}: model")
     if args.batch is None:
         args.batch = int(raw.get("train", {}).get("micro_batch", 4))
+    if args.reshard is None:
+        args.reshard = bool(raw.get("train", {}).get("reshard_after_forward", True))
     peak = matmul_peak()
     mesh = make_actor_groups(world, args.ep, "cuda")
-    model = sharded_actor(cfg, mesh, torch.bfloat16, "cuda")
+    model = sharded_actor(cfg, mesh, torch.bfloat16, "cuda", args.reshard)
     full = build_model(cfg, "cuda", torch.float32, seed=0)
     copy_full_state(model, full.state_dict().items())
     del full
@@ -71,6 +78,7 @@ def main(argv=None):
         loss = -(lp * adv * mask).sum() / (mask.sum() * world)
         loss.backward()
         norm = clip_grad_norm(params, 1.0, mesh.actor_group, scale=False)
+        reshard(model)  # as train_grpo does before its update
         opt.step(clip=clip_coef(norm, 1.0))
         opt.zero_grad()
 
@@ -91,13 +99,15 @@ def main(argv=None):
     tokens = args.batch * args.seq * world
     counts = cfg.param_counts()
     r = {"device": torch.cuda.get_device_name(), "gpus": world, "config": args.config, "ep": args.ep, "compile": args.compile,
-         "batch_per_gpu": args.batch, "seq": args.seq, "activation_checkpointing": args.ckpt, "step_s": dt,
+         "batch_per_gpu": args.batch, "seq": args.seq, "activation_checkpointing": args.ckpt,
+         "reshard_after_forward": args.reshard, "step_s": dt,
          "tokens_per_s": tokens / dt, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
          "bf16_matmul_tflops_per_gpu": peak / 1e12, "params_active": counts["active"],
          "mfu": 6 * counts["active"] * tokens / dt / float(peaks)}
     if rank == 0:
         print(json.dumps(r))
         print(f"{r['device']} x{world}: {args.config} train step, {args.batch}x{args.seq} tokens/GPU, ckpt={args.ckpt}, "
+              f"reshard={args.reshard}, "
               f"compile={args.compile}: "
               f"{r['tokens_per_s']:.0f} tok/s, step {dt * 1e3:.0f} ms, peak {r['peak_mem_gib']:.1f} GiB, "
               f"MFU {100 * r['mfu']:.1f}% of {r['bf16_matmul_tflops_per_gpu']:.0f} TFLOP/s per GPU measured here", flush=True)
@@ -114,6 +124,8 @@ def main(argv=None):
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=90),
                 flush=True)
+            if args.trace:
+                prof.export_chrome_trace(str(args.trace))
     dist.destroy_process_group()
 
 

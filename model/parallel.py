@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from .config import ModelConfig
-from .model import Experts, Transformer, combine, dispatch, inverse, permute
+from .model import Experts, Transformer, combine, dispatch, expert_counts, inverse, permute
 
 
 @dataclass
@@ -93,7 +93,7 @@ class EPExperts(Experts):
         e_recv = e_send.new_empty(sum(rc))
         dist.all_to_all_single(e_recv, e_send, rc, sc, group=self.group)
         o2 = torch.argsort(e_recv, stable=True)
-        y_sorted = self.forward_sorted(permute(x_recv, o2), torch.bincount(e_recv, minlength=self.n_local))
+        y_sorted = self.forward_sorted(permute(x_recv, o2), expert_counts(e_recv, self.n_local))
         y_recv = permute(y_sorted, inverse(o2))
         y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
         return combine(y_back, order, w, inv)
@@ -114,29 +114,39 @@ def use_expert_parallel(model: Transformer, mesh: ActorMesh):
 
 def shard_actor(model: Transformer, mesh: ActorMesh, param_dtype: torch.dtype, reshard_after_forward: bool = True):
     """fully_shard the experts over the expert-DP group, every block and the root over the actor ranks."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     dense, expert = mesh.meshes()
     # the model keeps its own dtypes (fp32 RoPE tables, mHC, router): FSDP must not cast block inputs to bf16
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in model.layers:
-        fully_shard(layer.ffn.experts, mesh=expert, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(layer, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dense, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):  # sum gradients (losses carry global normalizers)
+    sharded = [(layer.ffn.experts, expert) for layer in model.layers] + [(layer, dense) for layer in model.layers]
+    for m, on in sharded + [(model, dense)]:
+        fully_shard(m, mesh=on, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # sum gradients (losses carry global normalizers). Over one rank the sum is the gradient itself: FSDP would
+        # still divide it by the factor, a pass over every gradient for nothing
+        if on.size() > 1:
             (getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor)(1.0)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # plain SUM: gloo has no PREMUL_SUM
                 m.set_force_sum_reduction_for_comms(True)
     return model
 
 
-def sharded_actor(cfg, mesh: ActorMesh, param_dtype: torch.dtype, device) -> Transformer:
+def reshard(model: torch.nn.Module):
+    """Free every gathered working copy (FSDP2 keeps them after a no-grad forward with reshard_after_forward=False,
+    and the next forward would reuse them: call this before the sharded weights change)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def sharded_actor(cfg, mesh: ActorMesh, param_dtype: torch.dtype, device,
+                  reshard_after_forward: bool = True) -> Transformer:
     """An empty actor built on `meta`, expert-parallel and FSDP-sharded over `mesh`, materialized on `device` with
     its buffers set (the weights still to be filled: copy_full_state, load_state or a copy)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     use_expert_parallel(model, mesh)
-    shard_actor(model, mesh, param_dtype)
+    shard_actor(model, mesh, param_dtype, reshard_after_forward)
     model.to_empty(device=device)
     model.reset_buffers()
     return model

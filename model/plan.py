@@ -4,9 +4,10 @@
 
 Actor rank: fp32 master parameters, fp32 gradients and AdamW moments (8 bytes per parameter; in host memory with
 train.optimizer_offload), all sharded over the actor ranks (experts over their expert-parallel slice, then
-FSDP); the working copies FSDP gathers (one layer and the next, in the compute dtype, plus the root's embedding
-and head); activations of one micro-batch of rollout.max_model_len tokens (with activation checkpointing: every
-layer's input streams plus one layer's recomputation).
+FSDP); the working copies FSDP gathers in the compute dtype (one layer and the next plus the root's embedding and
+head; every layer's with train.reshard_after_forward false); activations of one micro-batch of
+rollout.max_model_len tokens (with activation checkpointing: every layer's input streams plus one layer's
+recomputation).
 Rollout rank: FP8 dense linears and experts (the experts split over rollout.ep ranks) with their block scales,
 the BF16/fp32 rest, the cache pools for rollout.max_seqs sequences of rollout.max_model_len tokens, and the
 decode step's working set.
@@ -102,7 +103,9 @@ def plan(run) -> dict:
     a = {"params (fp32 master)": 4 * per_param, "grads (fp32)": 4 * per_param,
          "optimizer (AdamW moments)": 0.0 if tr.optimizer_offload else 8 * per_param}
     local_experts_layer = ps["layer_experts"] / tr.ep
-    a["FSDP working copies"] = esize * (2 * (ps["layer_dense_max"] + local_experts_layer) + ps["root"]) \
+    gathered = 2 * (ps["layer_dense_max"] + local_experts_layer) + ps["root"] if tr.reshard_after_forward \
+        else ps["dense"] + cfg.num_hidden_layers * local_experts_layer  # every block's copy, forward to backward
+    a["FSDP working copies"] = esize * gathered \
         + 4 * (ps["layer_dense_max"] + local_experts_layer)  # one layer's unsharded fp32 gradient for reduce
     tokens = (tr.micro_batch or 1) * ro.max_model_len
     act = activations(cfg, tokens, esize, tr.activation_checkpointing)

@@ -1,9 +1,11 @@
 """Run under torchrun (gloo): the sharded actor (FSDP2 + expert parallelism) against the single-process model.
 
-    torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt]
+    torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt] [--no-reshard]
 
 Same batch (split across ranks), same weights: the loss, every gradient and the weights after one AdamW step
-must equal the unsharded model's within fp32 tolerance. Exits non-zero on a mismatch.
+must equal the unsharded model's within fp32 tolerance, and so must the loss of a no-grad forward after that step
+and after a second one. Exits non-zero on a mismatch. --no-reshard: blocks keep their gathered weights from
+forward to backward, and a no-grad forward (GRPO's pi_old pass) runs first, leaving them gathered.
 """
 import argparse
 import sys
@@ -16,13 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
 from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, make_actor_groups,  # noqa: E402
-                            sharded_actor)
+                            reshard, sharded_actor)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--ckpt", action="store_true")
+    ap.add_argument("--no-reshard", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -34,7 +37,7 @@ def main():
         for n, p in ref.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * p.shape[-1] ** -0.5)
-    sharded = sharded_actor(cfg, mesh, torch.float32, "cpu")
+    sharded = sharded_actor(cfg, mesh, torch.float32, "cpu", reshard_after_forward=not args.no_reshard)
     copy_full_state(sharded, ref.state_dict().items())
     sharded.activation_checkpointing = args.ckpt
 
@@ -51,6 +54,9 @@ def main():
     ref_loss = loss_of(ref, list(range(B)))
     ref_loss.backward()
     mine = list(range(rank, B, N))
+    if args.no_reshard:
+        with torch.no_grad():
+            loss_of(sharded, mine)
     loss = loss_of(sharded, mine)
     loss.backward()
     got = loss.detach().clone()
@@ -87,6 +93,19 @@ def main():
     for n, full in full_state(sharded, mesh):
         if not torch.allclose(full, after[n], rtol=1e-4, atol=1e-5):
             errors.append(f"weight {n} after the step: max diff {(full - after[n]).abs().max().item()}")
+    # the forward after an update sees it: once after the backward's reshard, once after a no-grad forward left
+    # the gathered copies in place (a second step from the same gradients, then reshard)
+    for k in range(2):
+        if k:
+            opt_ref.step()
+            reshard(sharded)
+            opt.step()
+        with torch.no_grad():
+            want = loss_of(ref, list(range(B)))
+            got = loss_of(sharded, mine)
+        dist.all_reduce(got)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+            errors.append(f"no-grad loss after step {k + 1}: {got.item()} vs {want.item()}")
     if errors:
         print(f"rank {rank}: {len(errors)} mismatches: {errors[:5]}", flush=True)
     dist.destroy_process_group()

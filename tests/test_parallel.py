@@ -12,8 +12,9 @@ from model.config import load_yaml
 from tests.conftest import input_dependent
 
 
-@pytest.mark.parametrize("n, ep, extra", [(1, 1, []), (2, 1, []), (2, 2, []), (4, 2, ["--ckpt"]), (4, 4, [])],
-                         ids=["one-rank", "fsdp2", "ep2", "fsdp2xep2-ckpt", "ep4"])
+@pytest.mark.parametrize("n, ep, extra", [(1, 1, []), (2, 1, ["--no-reshard"]), (2, 2, []), (4, 2, ["--ckpt"]),
+                                          (4, 4, [])],
+                         ids=["one-rank", "fsdp2-no-reshard", "ep2", "fsdp2xep2-ckpt", "ep4"])
 def test_sharded_actor_equals_single_process(n, ep, extra):
     """Loss, every gradient, the clipped norm and the weights after one AdamW step (tests/parallel_check.py).
     one-rank: the weight sync's kept tensors (and the CUDA graphs captured from them) read the storage AdamW
