@@ -1,12 +1,14 @@
 """The actor's per-token log-probabilities and entropy straight from the head's logits, forward and backward.
 
-    lp, ent = token_logprob(logits, targets, temperature)
-        logits (n, V) in the head's dtype, targets (n,) -> lp (n,) fp32 = log_softmax(logits / t)[target],
-        ent (n,) fp32 = the entropy of softmax(logits / t) (no gradient, a statistic)
+    lp, ent = head_logprob(h, weight, targets, temperature, chunk)
+        h (n, D), weight (V, D) the head, targets (n,) -> lp (n,) fp32 = log_softmax(h @ weight^T / t)[target],
+        ent (n,) fp32 = the entropy of softmax(h @ weight^T / t) (no gradient, a statistic)
 
-One program per row, one pass over the vocabulary (online max, sum and sum of z * e^z for the entropy); the backward
-writes (onehot - p) * g / t in the logits' dtype in one more pass. The torch twin (Transformer.token_logprobs on
-CPU) goes through (n, V) fp32 copies: the division, log_softmax, its saved output, exp and the product.
+The logits are made `chunk` rows at a time. The kernel runs one program per row and makes one pass over the
+vocabulary (online max, sum, and sum of z * e^z for the entropy). Its backward writes (onehot - p) * g / t in the
+logits' dtype in one more pass. The torch twin (Transformer.token_logprobs on CPU) goes through (n, V) fp32 copies:
+the division, log_softmax, its saved output, exp and the product. Autograd also sums a full-size weight gradient
+per chunk there.
 """
 from __future__ import annotations
 
@@ -59,31 +61,49 @@ if triton is not None:
 _BLOCK = 2048
 
 
-class _TokenLogprob(torch.autograd.Function):
+class _HeadLogprob(torch.autograd.Function):
+    """Rows in chunks: a chunk's logits are one GEMM, then one pass of the kernel; they are kept for the backward
+    (as the chunked autograd graph kept them). The backward writes each chunk's gradient rows of h directly and
+    accumulates the weight's gradient inside its GEMMs (addmm), instead of a full-size weight gradient per chunk
+    summed by autograd."""
+
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
-        x = logits.contiguous()
-        n, V = x.shape
+    def forward(ctx, h, weight, targets, temperature, chunk):
+        n = h.shape[0]
         tgt = targets.contiguous()
-        lp, ent, lse = (torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(3))
-        if n:
-            _logprob_fwd[(n,)](x, tgt, lp, ent, lse, 1.0 / temperature, V=V, BLOCK=_BLOCK, num_warps=8)
-        ctx.save_for_backward(x, tgt, lse)
-        ctx.inv_t = 1.0 / temperature
+        lp, ent, lse = (torch.empty(n, dtype=torch.float32, device=h.device) for _ in range(3))
+        inv_t = 1.0 / temperature
+        logits = []
+        for s in range(0, n, chunk):
+            x = torch.mm(h[s:s + chunk], weight.t())
+            _logprob_fwd[(x.shape[0],)](x, tgt[s:], lp[s:], ent[s:], lse[s:], inv_t, V=x.shape[1], BLOCK=_BLOCK,
+                                        num_warps=8)
+            logits.append(x)
+        ctx.save_for_backward(h, weight, tgt, lse, *logits)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, glp, gent):
-        x, tgt, lse = ctx.saved_tensors
-        n, V = x.shape
-        gx = torch.empty_like(x)
-        if n:
-            _logprob_bwd[(n,)](x, tgt, lse, glp.float().contiguous(), gx, ctx.inv_t, V=V, BLOCK=_BLOCK, num_warps=8)
-        return gx, None, None
+        h, weight, tgt, lse, *logits = ctx.saved_tensors
+        glp = glp.float().contiguous()
+        gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] and not logits else None
+        buf = torch.empty_like(logits[0]) if logits else None  # one chunk's logit gradient, reused
+        for i, x in enumerate(logits):
+            s, c = i * ctx.chunk, x.shape[0]
+            gx = buf[:c]
+            _logprob_bwd[(c,)](x, tgt[s:], lse[s:], glp[s:], gx, ctx.inv_t, V=x.shape[1], BLOCK=_BLOCK, num_warps=8)
+            if gh is not None:
+                torch.mm(gx, weight, out=gh[s:s + c])
+            if ctx.needs_input_grad[1]:
+                gw = torch.mm(gx.t(), h[s:s + c]) if gw is None else gw.addmm_(gx.t(), h[s:s + c])
+        return gh, gw, None, None, None
 
 
-def token_logprob(logits, targets, temperature: float = 1.0):
-    """logits (n, V), targets (n,) int64 -> (log-prob of each target under softmax(logits / temperature) (n,) fp32,
-    entropy of that distribution (n,) fp32, not differentiable)."""
-    return _TokenLogprob.apply(logits, targets, float(temperature))
+def head_logprob(h, weight, targets, temperature: float = 1.0, chunk: int = 1024):
+    """h (n, D) final hidden states, weight (V, D) the head, targets (n,) int64 -> (log-prob of each target under
+    softmax(h @ weight^T / temperature) (n,) fp32, the entropy of that distribution (n,) fp32, not
+    differentiable). The logits exist `chunk` rows at a time, in h's dtype."""
+    return _HeadLogprob.apply(h, weight, targets, float(temperature), int(chunk))

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import fused, mhc
 from kernels.attention import block_softmax
-from kernels.logprob import token_logprob
+from kernels.logprob import head_logprob
 from kernels.moe import combine_rows
 from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
@@ -842,35 +842,34 @@ class Transformer(nn.Module):
             routing.append(idx)
         h = self.norm(self.hc_head(x))
         if targets_mask is not None:
-            out = self.token_logprobs(h[:, :-1], input_ids[:, 1:], targets_mask, temperature)
+            out = self.token_logprobs(h, input_ids, targets_mask, temperature)
         else:
             out = h if return_hidden else self.head(h)
         if return_routing:
             return out, torch.stack(routing, dim=2)
         return out
 
-    def token_logprobs(self, h, targets, mask, temperature: float, chunk: int = 1024):
-        sel = mask.bool()
-        hs, tgt = h[sel], targets[sel]
-        lps, ent = [], h.new_zeros((), dtype=torch.float32)
-        for s in range(0, hs.shape[0], chunk):
-            lp, e = chunk_logprobs(self.head(hs[s:s + chunk]), tgt[s:s + chunk], temperature)
-            lps.append(lp)
-            ent = ent + e
-        out = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
-        return (out.masked_scatter(sel, torch.cat(lps)) if lps else out), ent
-
-
-def chunk_logprobs(logits, targets, temperature: float):
-    """logits (n, V), targets (n,) -> log-probs (n,) fp32 of the targets under softmax(logits / temperature), and
-    that distribution's entropy summed over the rows (a statistic: no gradient)."""
-    if use_triton(logits):  # one pass each way, no (n, V) fp32 copies
-        lp, ent = token_logprob(logits, targets, temperature)
-        return lp, ent.sum()
-    return _chunk_logprobs(logits, targets, temperature)
+    def token_logprobs(self, h, ids, mask, temperature: float, chunk: int = 1024):
+        """h (B, T, D), ids (B, T), mask (B, T - 1) -> (log-probs of ids[:, 1:] (B, T - 1) fp32, zero where the mask
+        is 0; the entropy summed over the masked positions). The head runs on the masked positions only."""
+        b, t = mask.nonzero(as_tuple=True)  # one host sync: how many positions are scored
+        hs, tgt = h[b, t], ids[b, t + 1]
+        if use_triton(hs) and isinstance(self.head, nn.Linear):  # one pass per chunk each way, no fp32 copies
+            lp, ent = head_logprob(hs, self.head.weight, tgt, temperature, chunk)
+            ent = ent.sum()
+        else:
+            lps, ent = [], hs.new_zeros((), dtype=torch.float32)
+            for s in range(0, hs.shape[0], chunk):
+                lp, e = _chunk_logprobs(self.head(hs[s:s + chunk]), tgt[s:s + chunk], temperature)
+                lps.append(lp)
+                ent = ent + e
+            lp = torch.cat(lps) if lps else hs.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(mask.shape, dtype=torch.float32, device=h.device).index_put((b, t), lp), ent
 
 
 def _chunk_logprobs(logits, targets, temperature: float):
+    """logits (n, V), targets (n,) -> log-probs (n,) fp32 of the targets under softmax(logits / temperature), and
+    that distribution's entropy summed over the rows (a statistic: no gradient). The twin of head_logprob."""
     lp = (logits.float() / temperature).log_softmax(-1)
     with torch.no_grad():
         ent = -(lp.exp() * lp).sum()

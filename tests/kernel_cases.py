@@ -148,25 +148,30 @@ def block_attention_case(device, B: int, nb: int, bq: int, W: int, H: int, d: in
     return grad_case(fast, twin, ins, seed)
 
 
-def logprob_case(device, n: int, V: int, temperature: float, dtype=torch.float32, seed: int = 0) -> float:
-    """model.chunk_logprobs' kernel (log-probs and entropy, backward through the log-probs) against its torch twin
-    computed in fp32 from the same logits. -> the worst relative difference of log-probs, entropy and gradient."""
-    from model.model import _chunk_logprobs, chunk_logprobs
+def logprob_case(device, n: int, D: int, V: int, temperature: float, chunk: int, dtype=torch.float32,
+                 seed: int = 0) -> float:
+    """kernels.logprob.head_logprob (the head's GEMMs and the log-prob/entropy kernel, `chunk` rows at a time;
+    backward through the log-probs to the hidden states and the head's weight) against its torch twin,
+    model._chunk_logprobs on the fp32 logits of the same inputs. -> the worst relative difference of log-probs,
+    entropy and gradients."""
+    from kernels.logprob import head_logprob
+    from model.model import _chunk_logprobs
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, V, generator=g) * 3).to(device, dtype)
+    h = torch.randn(n, D, generator=g).to(device, dtype)
+    w = (torch.randn(V, D, generator=g) * 3 * D ** -0.5).to(device, dtype)
     tgt = torch.randint(0, V, (n,), generator=g).to(device)
     ents = []
 
-    def fast(x):
-        lp, e = chunk_logprobs(x, tgt, temperature)
-        ents.append(e)
+    def fast(h, w):
+        lp, e = head_logprob(h, w, tgt, temperature, chunk)
+        ents.append(e.sum())
         return lp
 
-    def twin(x):
-        lp, e = _chunk_logprobs(x.float(), tgt, temperature)
+    def twin(h, w):
+        lp, e = _chunk_logprobs(h.float() @ w.float().t(), tgt, temperature)
         ents.append(e)
         return lp
-    err = grad_case(fast, twin, [x], seed)
+    err = grad_case(fast, twin, [h, w], seed)
     return max(err, (abs(ents[0] - ents[1]) / abs(ents[1]).clamp_min(1e-30)).item())
 
 

@@ -157,8 +157,8 @@ INTERPRETED = textwrap.dedent("""
     for N, k, D in ((7, 3, 40), (1, 1, 16), (0, 2, 8), (20, 6, 130)):
         assert combine_case("cpu", N, k, D) < 1e-5, (N, k, D)
     from tests.kernel_cases import logprob_case
-    for n, V, t in ((5, 3000, 1.0), (3, 100, 0.7), (0, 64, 1.0)):
-        assert logprob_case("cpu", n, V, t) < 1e-5, (n, V, t)
+    for n, D, V, t, chunk in ((5, 16, 3000, 1.0, 2), (3, 8, 100, 0.7, 1024), (0, 8, 64, 1.0, 4)):
+        assert logprob_case("cpu", n, D, V, t, chunk) < 1e-5, (n, D, V, t, chunk)
     from tests.kernel_cases import hc_cases
     for n, D, N, iters in ((4, 96, 70, 20), (2, 64, 5, 3), (3, 40, 33, 1)):  # training's hyper-connections
         res = hc_cases("cpu", n, D, N, iters)
