@@ -302,10 +302,10 @@ def _attend_blocks_fused(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
     S = 0 if comp_kv is None else comp_kv.shape[1]
     lc = torch.matmul(q.reshape(B, C * H, d), comp_kv.transpose(-1, -2)) if S else None
     pw, pc = block_softmax(lw, lc, allowed, comp_allowed if S else None, sink, scale, H)
-    out = torch.matmul(pw, keys).view(B, C, H, d)
-    if S:
-        out = out + torch.matmul(pc, comp_kv).view(B, C, H, d)
-    return out
+    out = torch.matmul(pw, keys).view(B, C * H, d)
+    if S:  # the compressed entries' part added in the GEMM's epilogue
+        out = torch.baddbmm(out, pc, comp_kv)
+    return out.view(B, C, H, d)
 
 
 def _attend_blocks(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
@@ -328,6 +328,47 @@ def _attend_blocks(q, keys, allowed, comp_kv, comp_allowed, sink, scale):
     if S:
         out = out + torch.matmul(p[..., K:K + S].reshape(B, C * H, S), comp_kv).view(B, C, H, d)
     return out
+
+
+def grouped_linear(x, w):
+    """x (..., G, i), w (G, R, i) -> (..., G, R): group g's rows times w[g]^T (the grouped output projection)."""
+    if x.is_cuda:
+        return _GroupedLinear.apply(x, w)
+    return _grouped_linear(x, w)
+
+
+def _grouped_linear(x, w):
+    return torch.einsum("...gi,gri->...gr", x, w)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """_grouped_linear as batched GEMMs over strided views: cuBLAS reads and writes the (N, G, .) layouts with a
+    leading dimension of G * width, so neither direction copies x, the output or their gradients into (G, N, .)
+    order (einsum does, four copies of the attention output's size per layer)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        G, R, i = w.shape
+        xf = x.reshape(-1, G, i)
+        y = torch.empty(xf.shape[0], G, R, dtype=x.dtype, device=x.device)
+        torch.bmm(xf.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+        ctx.save_for_backward(xf, w)
+        ctx.shape = x.shape
+        return y.view(*x.shape[:-1], R)
+
+    @staticmethod
+    def backward(ctx, gy):
+        xf, w = ctx.saved_tensors
+        G, R, i = w.shape
+        gt = gy.reshape(-1, G, R).transpose(0, 1)  # (G, N, R)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.empty_like(xf)
+            torch.bmm(gt, w, out=gx.transpose(0, 1))
+            gx = gx.view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            gw = torch.bmm(gt.transpose(1, 2), xf.transpose(0, 1))
+        return gx, gw
 
 
 class Attention(nn.Module):
@@ -377,7 +418,7 @@ class Attention(nn.Module):
         if hasattr(self.wo_a, "grouped"):  # the rollout engine's FP8 holder: one FP8 GEMM per group
             return self.wo_b(self.wo_a.grouped(g).flatten(2))
         wa = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])  # (G, R, H*d/G)
-        return self.wo_b(torch.einsum("btgi,gri->btgr", g, wa).flatten(2))
+        return self.wo_b(grouped_linear(g, wa).flatten(2))
 
     def forward(self, x, ctx, chunk: int | None = None):
         """Full-sequence path from position 0. x (B, T, D) -> (B, T, D).
@@ -421,7 +462,8 @@ class Attention(nn.Module):
             s = i * chunk
             e = s + qc.shape[1]
             nb = (e - s) // bq
-            keys = kvp[:, s:e + W].unfold(1, bq + W, bq).transpose(-1, -2)  # (B, nb, bq + W, d)
+            # (B, nb, bq + W, d), copied once here (the two GEMMs would each copy the unfolded view)
+            keys = kvp[:, s:e + W].unfold(1, bq + W, bq).transpose(-1, -2).contiguous()
             starts = s - W + bq * torch.arange(nb, device=x.device)
             allowed = local & (starts[:, None, None] + c >= 0)  # (nb, bq, bq + W)
             args = (qc, keys, allowed, comp, None if comp_mask is None else comp_mask[:, s:e],

@@ -137,8 +137,9 @@ def test_fused_hc_and_norms(n):
 
 
 def test_training_kernels_forward_and_backward():
-    """rope, RMSNorm (weighted and not) and SwiGLU with their backward kernels, at the training shapes in bf16,
-    against the torch twins computed in fp32 from the same bf16 inputs: within bf16 rounding."""
+    """rope, RMSNorm (weighted and not) and SwiGLU with their backward kernels, and the grouped output projection,
+    at the training shapes in bf16, against the torch twins computed in fp32 from the same bf16 inputs: within bf16
+    rounding."""
     from kernels import fused
     from model.model import _rms, _rms_unweighted, _rope, _swiglu
     from tests.kernel_cases import grad_case
@@ -157,6 +158,9 @@ def test_training_kernels_forward_and_backward():
                      [rnd(2, 512, 16, 512)]) < 1e-2
     assert grad_case(lambda a, b: fused.swiglu(a, b, 10.0), lambda a, b: _swiglu(a.float(), b.float(), 10.0),
                      [rnd(4096, 1024, s=6), rnd(4096, 1024, s=6)]) < 1e-2
+    from model.model import _GroupedLinear, _grouped_linear  # the output projection's strided batched GEMMs
+    assert grad_case(_GroupedLinear.apply, lambda x, w: _grouped_linear(x.float(), w.float()),
+                     [rnd(2, 2048, 4, 2048), rnd(4, 512, 2048, s=2048 ** -0.5)]) < 1e-2
 
 
 @pytest.mark.parametrize("n,D,N", [(4, 2048, 4096), (2, 512, 1000), (3, 256, 77)])

@@ -130,3 +130,13 @@ def test_blocked_attention_matches_dense_twin(T, chunk):
         (wx,) = torch.autograd.grad((want * torch.linspace(-1, 1, cfg.hidden_size)).sum(), x)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (att.layer_type, (got - want).abs().max())
         assert torch.allclose(gx, wx, atol=1e-5, rtol=1e-4), (att.layer_type, (gx - wx).abs().max())
+
+
+def test_grouped_linear_matches_einsum_twin():
+    """The output projection's strided batched GEMMs (what CUDA runs) against the einsum twin: values and both
+    gradients."""
+    from model.model import _GroupedLinear, _grouped_linear
+    from tests.kernel_cases import grad_case
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 4, 16, generator=g), torch.randn(4, 6, 16, generator=g)
+    assert grad_case(_GroupedLinear.apply, _grouped_linear, [x, w]) < 1e-6
