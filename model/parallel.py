@@ -118,8 +118,8 @@ def shard_actor(model: Transformer, mesh: ActorMesh, param_dtype: torch.dtype, r
     dense, expert = mesh.meshes()
     # the model keeps its own dtypes (fp32 RoPE tables, mHC, router): FSDP must not cast block inputs to bf16
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    sharded = [(layer.ffn.experts, expert) for layer in model.layers] + [(layer, dense) for layer in model.layers]
-    for m, on in sharded + [(model, dense)]:
+    parts = [(layer.ffn.experts, expert) for layer in model.layers] + [(layer, dense) for layer in model.layers]
+    for m, on in parts + [(model, dense)]:  # inner modules first
         fully_shard(m, mesh=on, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         # sum gradients (losses carry global normalizers). Over one rank the sum is the gradient itself: FSDP would
         # still divide it by the factor, a pass over every gradient for nothing
