@@ -66,7 +66,7 @@ def activation_bytes_per_token(cfg: ModelConfig, esize: int) -> dict:
     """Bytes autograd keeps per token, by part: "layer" = one layer's saved tensors (attention keeps only each
     query chunk's inputs, its logits are recomputed in backward; mHC keeps fp32 stream copies and the Sinkhorn
     iterates), "stream" = a layer's input streams (what activation checkpointing keeps), "head" = the final
-    collapse, norm and the chunked head's log-probabilities."""
+    collapse, norm and the head's logits of every scored position (the chunked head keeps them for the backward)."""
     D, H, hd, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult, cfg.num_experts_per_tok
     I, Is = cfg.moe_intermediate_size, cfg.shared_intermediate_size
     hc_site = 4 * (3 * n * D + (2 + n) * n * 4 + 2 * cfg.hc_sinkhorn_iters * (n * n + n)) + esize * n * D
@@ -74,7 +74,7 @@ def activation_bytes_per_token(cfg: ModelConfig, esize: int) -> dict:
         + 4 * H * hd
     moe = 4 * (D + 3 * cfg.n_routed_experts) + esize * (2 * k * D + 4 * k * I + 4 * Is + 2 * D)
     return {"layer": 2 * hc_site + attn + moe + 4 * n * D * 2, "stream": esize * n * D,
-            "head": 4 * (2 * n * D + 3 * D) + esize * D + 4 * 2 * cfg.vocab_size / 1024 * 8}
+            "head": 4 * (2 * n * D + 3 * D) + esize * D + esize * cfg.vocab_size}
 
 
 def activations(cfg: ModelConfig, tokens: int, esize: int, checkpointing: bool) -> dict:

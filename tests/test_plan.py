@@ -12,7 +12,7 @@ from rollout_server import Engine
 from train_grpo import RunConfig
 
 VARIANT = ["model.hidden_size=128", "model.head_dim=64", "model.moe_intermediate_size=96", "model.hc_mult=4",
-           "model.num_attention_heads=8"]
+           "model.num_attention_heads=8", "model.vocab_size=4096"]  # a vocabulary whose saved logits count
 
 
 @pytest.mark.parametrize("ov", [[], VARIANT], ids=["tiny", "wider"])
