@@ -39,13 +39,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.attention import decode_attention, index_scores
+from kernels.attention import decode_attention, index_scores, index_topk
 from kernels.compress import compress_decode
-from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, use_triton
+from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, use_triton
 from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
@@ -66,6 +67,11 @@ class SamplingParams:
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_tokens < 1:
             raise ValueError(f"invalid sampling parameters {self}")
+
+    @property
+    def filtered(self) -> bool:
+        """Top-k or top-p: the torch sampler's path (the fused one samples the whole vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclass
@@ -109,7 +115,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     B, V = logits.shape
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
-    filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    filtered = any(p.filtered for p in params)
     if fused and use_triton(logits) and not filtered:
         return gumbel_sample(logits.float(), temps, torch.tensor(seeds, device=dev, dtype=torch.int64),
                              torch.tensor(steps, device=dev, dtype=torch.int64))
@@ -567,7 +573,7 @@ class Sequence:
         self.seed = seq_seed(params.seed, idx)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.routing: list[torch.Tensor] = []
+        self.routing: list[np.ndarray] = []  # (n, L, k) uint8 pieces: prefill chunks, one row per decode step
         self.finish = None
         self.slot = None
         self.blocks = {"csa": [], "hca": []}
@@ -665,6 +671,20 @@ class PagedCache:
     def shortfall(self, seq: Sequence, upto: int) -> dict:
         need = self.blocks_for(upto)
         return {k: max(0, need[k] - len(seq.blocks[k])) for k in need}
+
+    def step_need(self, seqs: list[Sequence]) -> tuple[dict, list[Sequence]]:
+        """shortfall(s, s.fed + 1) summed over seqs, and the sequences short of a block (one decode step)."""
+        need, short, BE = {k: 0 for k in self.ratio}, [], self.BE
+        for s in seqs:
+            u, lacks = s.fed + 1, False
+            for k, r in self.ratio.items():
+                n = -(-(u // r) // BE) - len(s.blocks[k])
+                if n > 0:
+                    need[k] += n
+                    lacks = True
+            if lacks:
+                short.append(s)
+        return need, short
 
     def fits(self, need: dict) -> bool:
         return all(len(self.alloc[k].free) >= n for k, n in need.items())
@@ -796,6 +816,7 @@ class Runner:
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
         self.pool = None
+        self.staging, self.pinned = {}, {}
 
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -855,54 +876,88 @@ class Runner:
                                     c.ikeys[li], wrope)
                 S = table.shape[1] * c.BE
                 sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S)
-                top = sc.topk(min(attn.indexer.topk, S), dim=-1).indices
-                sel = torch.where(top < count[:, None], top, torch.full_like(top, -1))
+                sel = index_topk(sc, min(attn.indexer.topk, S), count)
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
                                        sel=sel)
         return attn.project_out(out[None], *tables[attn.rope_kind])
 
-    def _decode_eager(self, ids, pos, slots):
+    def _decode_eager(self, inp):
+        """inp (6, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
+        float64 bits). -> logits (n, V) fp32, routing (n, L, k) uint8, and where the fused sampler runs (GPUs)
+        tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k / top-p."""
+        ids, pos, slots = inp[0], inp[1], inp[2]
         tabs = {k: t[slots] for k, t in self.cache.tables.items()}
         wrope = {}
 
         def attention(li, attn, h, tables):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
         x, routing = run_layers(self.model, ids, pos, attention)
-        return head_logits(self.model, x[0]), routing.to(torch.uint8)
+        out = {"logits": head_logits(self.model, x[0]), "routing": routing.to(torch.uint8)}
+        if use_triton(out["logits"]):
+            out["tok"], out["lp"] = gumbel_sample(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
+        return out
+
+    def _stage(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The step's inputs (see _decode_eager) in one host buffer (pinned on GPUs: one asynchronous copy),
+        padded to a power of two with rows that write to the scratch slot."""
+        B = len(seqs)
+        n = pow2(B)
+        h = self.staging.get(n)
+        if h is None:
+            h = self.staging[n] = torch.empty(6, n, dtype=torch.int64, pin_memory=self.cache.device.type == "cuda")
+        a = h.numpy()
+        a[:, B:] = 0
+        a[2, B:] = self.cache.trash
+        a[0, :B] = [s.tokens[-1] for s in seqs]
+        a[1, :B] = [s.fed for s in seqs]
+        a[2, :B] = [s.slot for s in seqs]
+        a[3, :B] = [s.seed for s in seqs]
+        a[4, :B] = [len(s.tokens) for s in seqs]
+        a[5, :B].view(np.float64)[:] = [s.params.temperature for s in seqs]
+        return h
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]):
-        """Feed every sequence's last sampled token. -> logits (B, V) fp32, routing (B, L, k) uint8."""
-        c, dev = self.cache, self.cache.device
+    def decode(self, seqs: list[Sequence]) -> dict:
+        """Feed every sequence's last sampled token. -> device tensors of the B rows (see _decode_eager)."""
         B = len(seqs)
-        ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        pos = torch.tensor([s.fed for s in seqs], device=dev)
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        h = self._stage(seqs)
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
         if bucket is None:
-            return self._decode_eager(ids, pos, slots)
-        g = self.graphs.get(bucket) or self._capture(bucket)
-        g["ids"].zero_()
-        g["pos"].zero_()
-        g["slots"].fill_(c.trash)
-        g["ids"][:B], g["pos"][:B], g["slots"][:B] = ids, pos, slots
-        g["graph"].replay()
-        return g["logits"][:B], g["routing"][:B]
+            out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True))
+        else:
+            g = self.graphs.get(bucket) or self._capture(bucket)
+            g["inp"].copy_(h[:, :bucket], non_blocking=True)
+            g["graph"].replay()
+            out = g["out"]
+        return {k: v[:B] for k, v in out.items()}
+
+    def fetch(self, *ts: torch.Tensor) -> list[np.ndarray]:
+        """Device tensors -> host arrays: copies into pinned buffers and one synchronization."""
+        if self.cache.device.type != "cuda":
+            return [t.cpu().numpy() for t in ts]
+        hs = []
+        for i, t in enumerate(ts):
+            key = (i, t.dtype, tuple(t.shape[1:]))
+            h = self.pinned.get(key)
+            if h is None or h.shape[0] < t.shape[0]:
+                h = self.pinned[key] = torch.empty(max(t.shape[0], self.cache.n_slots), *t.shape[1:], dtype=t.dtype,
+                                                   pin_memory=True)
+            hs.append(h[:t.shape[0]])
+            hs[-1].copy_(t, non_blocking=True)
+        torch.cuda.current_stream(self.cache.device).synchronize()
+        return [h.numpy().copy() for h in hs]
 
     def _capture(self, bucket: int):
         c, dev = self.cache, self.cache.device
-        g = {"ids": torch.zeros(bucket, dtype=torch.int64, device=dev),
-             "pos": torch.zeros(bucket, dtype=torch.int64, device=dev),
-             "slots": torch.full((bucket,), c.trash, dtype=torch.int64, device=dev)}
-        args = (g["ids"], g["pos"], g["slots"])
-        self._decode_eager(*args)  # compiles the Triton kernels and warms the allocator outside the capture
+        inp = torch.zeros(6, bucket, dtype=torch.int64, device=dev)
+        inp[2] = c.trash
+        self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            g["logits"], g["routing"] = self._decode_eager(*args)
+            out = self._decode_eager(inp)
         self.pool = graph.pool()
-        g["graph"] = graph
-        self.graphs[bucket] = g
+        self.graphs[bucket] = g = {"inp": inp, "graph": graph, "out": out}
         return g
 
 
@@ -994,8 +1049,9 @@ class Engine:
                 self.stats["decode_tokens"] += len(running)
                 self._decode_step(running, waiting)
                 self.stats["decode_s"] += time.perf_counter() - t0
-        return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[: len(s.prompt) + len(s.tokens) - 1],
-                       s.finish) for s in seqs]
+        return [Output(s.prompt, s.tokens, s.logprobs,
+                       torch.from_numpy(np.concatenate(s.routing)[: len(s.prompt) + len(s.tokens) - 1]), s.finish)
+                for s in seqs]
 
     def _prefill_step(self, prefilling: list[Sequence], running: list[Sequence]):
         budget, batch = self.max_batch_tokens, []
@@ -1006,7 +1062,7 @@ class Engine:
             batch.append((s, s.fed, s.fed + n))
             budget -= n
         logits, routing, bounds = self.runner.prefill(batch)
-        routing = routing.cpu()
+        routing = routing.cpu().numpy()
         self.stats["prefill_tokens"] += bounds[-1]
         done, rows = [], []
         for i, (s, a, b) in enumerate(batch):
@@ -1032,10 +1088,7 @@ class Engine:
     def _decode_step(self, running: list[Sequence], waiting: deque):
         c = self.cache
         while True:  # blocks for the entries this step completes; preempt the newest sequences if short
-            need = {k: 0 for k in c.ratio}
-            for s in running:
-                for k, n in c.shortfall(s, s.fed + 1).items():
-                    need[k] += n
+            need, short = c.step_need(running)
             if c.fits(need):
                 break
             victim = max(running, key=lambda s: s.order)
@@ -1046,19 +1099,33 @@ class Engine:
             victim.feed, victim.fed, victim.resume = victim.prompt + victim.tokens[:-1], 0, True
             waiting.appendleft(victim)
             self.stats["preemptions"] += 1
-        for s in running:
+        for s in short:
             c.grow(s, s.fed + 1)
-        logits, routing = self.runner.decode(running)
-        routing = routing.cpu()
+        seqs = list(running)
+        out = self.runner.decode(seqs)
         self.stats["decode_steps"] += 1
-        for i, s in enumerate(running):
+        if "tok" in out and not any(s.params.filtered for s in seqs):  # sampled inside the step
+            tok, lp, routing = self.runner.fetch(out["tok"], out["lp"], out["routing"])
+        else:
+            (routing,) = self.runner.fetch(out["routing"])
+            tok, lp = self._draw(seqs, out["logits"])
+        for i, s in enumerate(seqs):
             s.routing.append(routing[i:i + 1])
             s.fed += 1
-        self._sample(list(running), logits, running)
+        self._take(seqs, tok.tolist(), lp.tolist(), running, decoding=True)
+
+    def _draw(self, seqs: list[Sequence], logits):
+        return sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
 
     def _sample(self, seqs: list[Sequence], logits, running: list[Sequence]):
-        tok, lp = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
-        for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
+        tok, lp = self._draw(seqs, logits)
+        self._take(seqs, tok.tolist(), lp.tolist(), running)
+
+    def _take(self, seqs: list[Sequence], toks: list[int], lps: list[float], running: list[Sequence],
+              decoding: bool = False):
+        """Append the sampled tokens; finished sequences leave `running` and free their cache, new ones join
+        (decoding: every sequence is already running)."""
+        for s, t, l in zip(seqs, toks, lps):
             s.tokens.append(t)
             s.logprobs.append(l)
             s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
@@ -1066,12 +1133,8 @@ class Engine:
                 if s in running:
                     running.remove(s)
                 self.cache.release(s)
-            elif s not in running:
+            elif not decoding and s not in running:
                 running.append(s)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# messages between ranks: a JSON header and raw tensor bytes (no pickle)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -1,5 +1,6 @@
 """FP8 linear at the decode path's shapes: act_quant + fp8_gemm at tile widths 16-128 (the heuristic's pick
-marked), and cuBLAS BF16 (torch.nn.functional.linear) on the same GPU.
+marked), the small-M split kernel (fp8_linear_split) at tile widths 16-64 and 1-4 K blocks a program, and cuBLAS
+BF16 (torch.nn.functional.linear) on the same GPU.
 
     python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fp8_gemm import _gemm_blocks, act_quant, fp8_gemm  # noqa: E402
+from kernels.fp8_gemm import _gemm_blocks, _split_blocks, act_quant, fp8_gemm, fp8_linear_split  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from model.config import load_yaml  # noqa: E402
@@ -64,9 +65,13 @@ def main():
             bm, bn0 = _gemm_blocks(M, N)
             for bn in (16, 32, 64, 128):
                 row[f"fp8 bn{bn}"] = graph_us(lambda: fp8_gemm(*act_quant(x, f8), wq, ws, blocks=(bm, bn)))
+            for bn in (16, 32, 64):
+                for ks in (1, 2, 4):
+                    row[f"split bn{bn} ks{ks}"] = graph_us(lambda: fp8_linear_split(x, wq, ws, blocks=(bn, ks)))
             cells = "  ".join(f"{k} {v:6.1f} ({N * K * (2 if k.startswith('bf16') else 1) / v / 1e3:5.0f})"
                               for k, v in row.items())
-            print(f"M {M:4d} {name:15s} N {N:5d} K {K:5d} (heuristic bn {bn0}): {cells}", flush=True)
+            print(f"M {M:4d} {name:15s} N {N:5d} K {K:5d} (heuristic bn {bn0}, split {_split_blocks(M, N, K // 128)}):"
+                  f" {cells}", flush=True)
 
 
 if __name__ == "__main__":

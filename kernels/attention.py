@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import triton, use_triton
+from .fp8_gemm import pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -178,6 +178,45 @@ def index_scores(qi, wi, pool, table, count, S: int):
     _index_scores_kernel[(B, triton.cdiv(S, bs))](
         qi.contiguous(), wi.contiguous(), pool, table, count, out, S, table.shape[1], d ** -0.5, NH=nh,
         D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)
+    return out
+
+
+def index_topk_ref(sc, k: int, count):
+    """sc (B, S) scores (-inf at and beyond count) -> (B, k) int64 entries of the k best scores, -1 where fewer
+    than k entries exist."""
+    top = sc.topk(k, dim=-1).indices
+    return torch.where(top < count[:, None], top, torch.full_like(top, -1))
+
+
+if triton is not None:
+    @triton.jit
+    def _index_topk_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr):
+        """One row: a bitonic sort of (order-preserving int32 of the score, reversed entry index) pairs packed
+        in int64, descending (ties: the lower index first); the first K entries, -1 past the row's count."""
+        b = tl.program_id(0)
+        rs = tl.arange(0, SP)
+        v = tl.load(SC + b * S + rs, mask=rs < S, other=float("-inf"))
+        bits = v.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        srt = tl.sort((key.to(tl.int64) << 32) | (SP - 1 - rs).to(tl.int64), 0, descending=True)
+        idx = SP - 1 - (srt & 0xFFFFFFFF)
+        n = tl.load(COUNT + b)
+        tl.store(OUT + b * K + rs, tl.where(idx < n, idx, -1), mask=rs < K)
+
+
+INDEX_TOPK_MAX = 4096  # longer rows (max_model_len / csa_ratio past this) take torch.topk
+
+
+def index_topk(sc, k: int, count):
+    """index_topk_ref in one kernel per row (torch.topk at these k took a radix sort and a gather kernel, plus
+    the masking)."""
+    B, S = sc.shape
+    if not use_triton(sc) or S > INDEX_TOPK_MAX:
+        return index_topk_ref(sc, k, count)
+    out = torch.empty(B, k, dtype=torch.int64, device=sc.device)
+    if B:
+        sp = max(16, pow2(S))
+        _index_topk_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp, num_warps=4 if sp <= 1024 else 8)
     return out
 
 

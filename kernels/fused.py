@@ -19,6 +19,7 @@ from .fp8_gemm import pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.language.extra import libdevice
 
 
 def needs_grad(*ts) -> bool:
@@ -33,11 +34,30 @@ def fused_ok(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _hc_pre_kernel(X, RAW, BASE, SCALE, COLL, POST, COMB, eps, norm_eps, ITERS: tl.constexpr,
+    def _hc_mix_kernel(X, FN, PART, M, F: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
+                       SPLIT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        """x @ fn^T for rows [BM * rb, BM * (rb + 1)) over the s-th CHUNK of columns: PART[t, s] (MIXP,) fp32
+        partials, fp32 products and sums (no tensor-core rounding), in an order fixed by the constexprs alone,
+        so a row's partials do not depend on M (the batch) or on its neighbours."""
+        rb, s = tl.program_id(0), tl.program_id(1)
+        rows = rb * BM + tl.arange(0, BM)
+        mr = rows < M
+        rm = tl.arange(0, MIXP)
+        acc = tl.zeros((BM, MIXP), tl.float32)
+        for f0 in range(0, CHUNK, BK):
+            rf = s * CHUNK + f0 + tl.arange(0, BK)
+            mf = rf < F
+            x = tl.load(X + rows[:, None] * F + rf[None, :], mask=mr[:, None] & mf[None, :], other=0.0)
+            w = tl.load(FN + rm[None, :] * F + rf[:, None], mask=(rm[None, :] < MIX) & mf[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+        tl.store(PART + (rows[:, None] * SPLIT + s) * MIXP + rm[None, :], acc, mask=mr[:, None])
+
+    @triton.jit
+    def _hc_pre_kernel(X, PART, BASE, SCALE, COLL, POST, COMB, eps, norm_eps, ITERS: tl.constexpr,
                        N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        """One token: RAW = x @ fn^T (from cuBLAS) scaled by the streams' rsqrt-mean-square, then pre / post /
-        Sinkhorn-projected comb, and the pre-weighted collapse of the streams."""
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """One token: x @ fn^T (the SPLIT partials of _hc_mix_kernel, summed) scaled by the streams'
+        rsqrt-mean-square, then pre / post / Sinkhorn-projected comb, and the pre-weighted collapse of the streams."""
         t = tl.program_id(0)
         MIX: tl.constexpr = (2 + N_HC) * N_HC
         F: tl.constexpr = N_HC * D
@@ -47,7 +67,9 @@ if triton is not None:
             rf = f0 + tl.arange(0, BLOCK)
             x = tl.load(X + t * F + rf, mask=rf < F, other=0.0).to(tl.float32)
             ss += x * x
-        raw = tl.load(RAW + t * MIX + rm, mask=rm < MIX, other=0.0)
+        raw = tl.zeros((MIXP,), tl.float32)
+        for sp in range(SPLIT):
+            raw += tl.load(PART + (t * SPLIT + sp) * MIXP + rm)
         mix = raw * tl.rsqrt(tl.sum(ss, 0) / F + norm_eps)
         b = tl.load(BASE + rm, mask=rm < MIX, other=0.0)
         s0, s1, s2 = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
@@ -120,19 +142,102 @@ if triton is not None:
         tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=md)
 
 
+def _mix_partials(x, w, chunk: int = 256):
+    """x (M, K) any float dtype, w (N, K) small N -> (M, ceil(K / chunk), >= 16) fp32 partial sums of x @ w^T
+    over column chunks: enough programs to fill the GPU at M = 1, and batch-invariant (see _hc_mix_kernel).
+    (cuBLAS took two casts, an fp32 GEMM and a split-K reduction for these skinny products.)"""
+    M, K = x.shape
+    n, bm = w.shape[0], 4
+    mixp = max(16, pow2(n))
+    bk = max(8, min(64, 8192 // (bm * mixp)))
+    split = triton.cdiv(K, chunk)
+    part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
+    _hc_mix_kernel[(triton.cdiv(M, bm), split)](x, w.contiguous(), part, M, F=K, MIX=n, MIXP=mixp, SPLIT=split,
+                                               CHUNK=chunk, BM=bm, BK=bk, num_warps=4 if bm * bk * mixp <= 8192 else 8)
+    return part
+
+
+if triton is not None:
+    @triton.jit
+    def _route_kernel(PART, BIAS, HASH, WOUT, IOUT, scale, E: tl.constexpr, EP: tl.constexpr, SPLIT: tl.constexpr,
+                      K: tl.constexpr, KP: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr,
+                      NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One token: logits (the SPLIT partials of _hc_mix_kernel, summed in order) -> scores (FUNC 0 softmax,
+        1 sigmoid, 2 sqrt(softplus)), the top K of scores + bias (or the hash layer's K ids), their scores
+        normalized (NORM) and scaled."""
+        t = tl.program_id(0)
+        re = tl.arange(0, EP)
+        me = re < E
+        lg = tl.zeros((EP,), tl.float32)
+        for sp in range(SPLIT):
+            lg += tl.load(PART + (t * SPLIT + sp) * EP + re)
+        if FUNC == 0:
+            z = tl.where(me, lg, float("-inf"))
+            ex = tl.exp(z - tl.max(z, 0))
+            s = ex / tl.sum(ex, 0)
+        elif FUNC == 1:
+            s = 1.0 / (1.0 + tl.exp(-lg))
+        else:  # torch's softplus: x itself past its threshold 20
+            if LIBDEVICE:
+                sp_ = libdevice.log1p(tl.exp(lg))
+            else:
+                sp_ = tl.log(1.0 + tl.exp(lg))
+            s = tl.sqrt(tl.where(lg > 20.0, lg, sp_))
+        rk = tl.arange(0, KP)
+        if HASHED:
+            ids = tl.load(HASH + t * K + rk, mask=rk < K, other=0)
+            w = tl.sum(tl.where(ids[:, None] == re[None, :], s[None, :], 0.0), 1)
+        else:
+            sel = tl.where(me, s + tl.load(BIAS + re, mask=me, other=0.0), float("-inf"))
+            ids = tl.zeros((KP,), tl.int64)
+            w = tl.zeros((KP,), tl.float32)
+            for j in range(K):
+                _, i = tl.max(sel, 0, return_indices=True, return_indices_tie_break_left=True)
+                ids = tl.where(rk == j, i.to(tl.int64), ids)
+                w = tl.where(rk == j, tl.sum(tl.where(re == i, s, 0.0), 0), w)
+                sel = tl.where(re == i, float("-inf"), sel)
+        w = tl.where(rk < K, w, 0.0)
+        if NORM:
+            w = w / (tl.sum(w, 0) + 1e-20)
+        tl.store(WOUT + t * K + rk, w * scale, mask=rk < K)
+        tl.store(IOUT + t * K + rk, ids.to(tl.int64), mask=rk < K)
+
+
+_SCORE_FUNC = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, hash_ids=None):
+    """The router at inference (model.Gate's twin without replay): x (M, D), weight (E, D), bias (E,) fp32 ->
+    weights (M, k) fp32, expert ids (M, k) int64, the ids in descending order of score + bias (hash layers:
+    hash_ids (M, k), in their order). Two launches: the fp32 product as split partials, then one program per
+    token for the scores and the top-k (torch took two casts, an fp32 GEMM, its split-K reduction and ~8
+    elementwise, top-k and gather kernels)."""
+    M, E = x.shape[0], weight.shape[0]
+    w = torch.empty(M, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(M, k, dtype=torch.int64, device=x.device)
+    if M:
+        part = _mix_partials(x.contiguous(), weight)
+        hashed = hash_ids is not None
+        _route_kernel[(M,)](part, bias if not hashed else part, hash_ids.contiguous() if hashed else ids, w, ids,
+                            float(scale), E=E, EP=part.shape[2], SPLIT=part.shape[1], K=k, KP=max(2, pow2(k)),
+                            FUNC=_SCORE_FUNC[score_func], HASHED=hashed, NORM=norm, LIBDEVICE=x.is_cuda,
+                            num_warps=1)
+    return w, ids
+
+
 def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32."""
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
-    raw = torch.nn.functional.linear(xf.float(), fn.float())  # the (n * D) x ((2 + n) n) GEMV goes to the BLAS
     coll = torch.empty(N, D, dtype=x.dtype, device=x.device)
     post = torch.empty(N, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
     if N:
-        _hc_pre_kernel[(N,)](xf, raw.contiguous(), base.float().contiguous(), scale.float().contiguous(),
+        part = _mix_partials(xf, fn)  # the hc_pre kernel sums them
+        _hc_pre_kernel[(N,)](xf, part, base.float().contiguous(), scale.float().contiguous(),
                              coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=pow2(n),
-                             MIXP=pow2((2 + n) * n), BLOCK=1024, num_warps=4)
+                             MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=1024, num_warps=4)
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 

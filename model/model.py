@@ -505,6 +505,9 @@ class Gate(nn.Module):
 
         With replay, `replay_stats` accumulates (tokens whose own top-k set differs from the replayed one,
         tokens) over the real tokens (token_mask), for the actor's routing-mismatch metric."""
+        if replay is None and fused_ok(x):  # inference on a GPU: two kernels (fused.route); the code below its twin
+            return fused.route(x, self.weight, None if self.hash else self.bias, self.topk, self.score_func,
+                               self.norm_topk, self.route_scale, self.tid2eid[input_ids] if self.hash else None)
         s = self.scores(x)
         if self.hash:
             idx = self.tid2eid[input_ids].long()

@@ -79,6 +79,46 @@ def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, 
     return torch.equal(slots, s2) and torch.equal(bexp, b2)
 
 
+def route_case(device, M: int, D: int, E: int, k: int, score_func: str, hashed: bool, norm: bool = True,
+               seed: int = 0) -> tuple[int, float]:
+    """kernels.fused.route against model.Gate's torch path on bf16 inputs. -> (tokens whose expert set differs,
+    max difference of the weights, each matched to its expert id)."""
+    from kernels import fused
+    from model.model import Gate
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(num_experts_per_tok=k, n_routed_experts=E, scoring_func=score_func, hidden_size=D,
+                          routed_scaling_factor=1.5, norm_topk_prob=norm, vocab_size=50,
+                          is_hash_layer=lambda i: hashed)
+    gate = Gate(cfg, 0)
+    gate.weight.data = torch.randn(E, D, generator=g) * D ** -0.5
+    if hashed:
+        gate.tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(50)])
+    else:
+        gate.bias = torch.randn(E, generator=g) * 0.1
+    gate = gate.to(device=device, dtype=torch.bfloat16)
+    gate.bias = None if hashed else gate.bias.float()
+    x = torch.randn(M, D, generator=g).to(device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 50, (M,), generator=g).to(device)
+    w1, i1 = fused.route(x, gate.weight, gate.bias, k, score_func, norm, 1.5, gate.tid2eid[ids] if hashed else None)
+    w2, i2 = gate(x, ids)
+    o1, o2 = i1.sort(-1), i2.sort(-1)
+    bad = int((o1.values != o2.values).any(-1).sum())
+    dw = (w1.gather(1, o1.indices) - w2.gather(1, o2.indices)).abs().max().item() if M else 0.0
+    return bad, dw
+
+
+def index_topk_case(device, B: int, S: int, k: int, seed: int = 0) -> bool:
+    """kernels.attention.index_topk against its torch twin on rows with counts from 0 to S (distinct scores).
+    -> whether the selections are identical (entries, their order, the -1 padding)."""
+    from kernels.attention import index_topk, index_topk_ref
+    g = torch.Generator().manual_seed(seed)
+    count = torch.randint(0, S + 1, (B,), generator=g)
+    count[0], count[-1] = S, 0
+    sc = torch.randn(B, S, generator=g).masked_fill(torch.arange(S)[None] >= count[:, None], float("-inf"))
+    sc, count = sc.to(device), count.to(device)
+    return torch.equal(index_topk(sc, k, count), index_topk_ref(sc, k, count))
+
+
 def grad_case(fast, twin, inputs, seed: int = 0) -> float:
     """A differentiable kernel against its torch twin: outputs and the gradients of every input under the same
     random upstream gradient. -> the largest difference relative to the twin's largest magnitude, over all of

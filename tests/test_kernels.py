@@ -93,6 +93,14 @@ INTERPRETED = textwrap.dedent("""
     y2 = torch.cat([fp8_gemm_ref(xq[:, 128 * i:128 * (i + 1)], sx[:, i:i + 1], w2q[128 * i:128 * (i + 1)],
                                  w2s[i:i + 1]) for i in range(2)], 1)
     assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, groups=2) - y2).abs().max() < 1e-4
+    # the small-M split kernel quantizes in the kernel, as the act_quant kernel does (the interpreter's fp8 casts
+    # differ from torch's, so the comparison is with the two-launch kernel path)
+    from kernels.fp8_gemm import act_quant, fp8_linear_split
+    want = fp8_gemm(*act_quant(x, torch.float8_e4m3fn), wq, ws, torch.float32)
+    for blocks in ((16, 1), (32, 2)):
+        assert (fp8_linear_split(x, wq, ws, blocks=blocks) - want).abs().max() < 1e-5 * want.abs().max(), blocks
+    want = fp8_gemm(*act_quant(x, torch.float8_e4m3fn), w2q, w2s, torch.float32, groups=2)
+    assert (fp8_linear_split(x, w2q, w2s, groups=2, blocks=(32, 1)) - want).abs().max() < 1e-5 * want.abs().max()
     from kernels.fp8_gemm import block_quant
     for wb in (torch.randn(300, 200, generator=g) * 0.1, torch.randn(3, 130, 256, generator=g)):
         q, s = block_quant(wb, torch.float8_e4m3fn)
@@ -132,6 +140,15 @@ INTERPRETED = textwrap.dedent("""
         _, post, comb = hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
         out = torch.randn(5, 96, generator=g)
         assert (fused.hc_post(out, xs, post, comb) - hc_post(out, xs, post, comb)).abs().max() < 1e-5
+    from tests.kernel_cases import index_topk_case
+    for B, S, k in ((3, 64, 16), (2, 300, 200), (4, 1024, 512), (2, 20, 20)):
+        assert index_topk_case("cpu", B, S, k), (B, S, k)
+    from tests.kernel_cases import route_case
+    for M, D, E, k, func, hashed in ((1, 300, 32, 6, "sqrtsoftplus", False), (7, 256, 6, 2, "softmax", False),
+                                     (130, 64, 32, 6, "sigmoid", False), (5, 128, 16, 3, "sqrtsoftplus", True),
+                                     (0, 128, 16, 3, "softmax", False)):
+        bad, dw = route_case("cpu", M, D, E, k, func, hashed)
+        assert bad == 0 and dw < 1e-5, (M, D, E, k, func, hashed, bad, dw)
     from model.model import _rms, _rms_unweighted, _rope
     from tests.kernel_cases import grad_case
     # rope: the engines' layouts and the training ones (a batch before the positions), forward and backward
