@@ -60,17 +60,21 @@ if triton is not None:
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet (a split's first blocks)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
         return m_new, l, acc
 
     @triton.jit
-    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, OUT, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
+    def _decode_attn_kernel(Q, WIN, SLOTS, POS, PM, PL, PACC, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
                             W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr, CAP: tl.constexpr,
-                            MODE: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-        b, hb = tl.program_id(0), tl.program_id(1)
+                            MODE: tl.constexpr, DYNAMIC: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries;
+        writes this split's running max, sum and unnormalized output (PM, PL, PACC) for _decode_combine_kernel."""
+        b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mh = rh < H
         rd = tl.arange(0, D)
@@ -80,15 +84,15 @@ if triton is not None:
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, D), tl.float32)
-        for j0 in range(0, W, BLOCK_K):
-            j = j0 + tl.arange(0, BLOCK_K)
+        for j0 in range(0, W, NS * BLOCK_K):  # (the interpreter takes no program id in a range)
+            j = j0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
             kp = p - ((p - j) % W + W) % W
             valid = (j < W) & (kp >= 0)
             k = tl.load(WIN + (slot * W + j[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
             m, l, acc = _online(q, k, valid, m, l, acc, scale)
         if MODE == 1:  # indexer-selected entries
-            for t0 in range(0, KSEL, BLOCK_K):
-                t = t0 + tl.arange(0, BLOCK_K)
+            for t0 in range(0, KSEL, NS * BLOCK_K):
+                t = t0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
                 idx = tl.load(SEL + b * KSEL + t, mask=t < KSEL, other=-1)
                 valid = idx >= 0
                 idx = tl.maximum(idx, 0)
@@ -98,36 +102,70 @@ if triton is not None:
         if MODE == 2:  # every entry written so far
             n = tl.load(COUNT + b)
             # the loop bound is data-dependent on GPU; the CPU interpreter needs a static one
-            for t0 in range(0, n if DYNAMIC else CAP, BLOCK_K):
-                idx = t0 + tl.arange(0, BLOCK_K)
+            for t0 in range(0, n if DYNAMIC else CAP, NS * BLOCK_K):
+                idx = t0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
                 valid = idx < n
                 blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
                 k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
-        sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, sink)
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.exp(sink - m_new)
-        out = acc * alpha[:, None] / l[:, None]
-        tl.store(OUT + (b * H + rh[:, None]) * D + rd[None, :], out.to(OUT.dtype.element_ty), mask=mh[:, None])
+        row = (b * H + rh) * NS + sp
+        tl.store(PM + row, m, mask=mh)
+        tl.store(PL + row, l, mask=mh)
+        tl.store(PACC + row[:, None] * D + rd[None, :], acc, mask=mh[:, None])
+
+    @triton.jit
+    def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, H, D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+        """One (token, head): the NS splits' partial softmaxes merged with the sink's logit, normalized."""
+        r, db = tl.program_id(0), tl.program_id(1)
+        rs = tl.arange(0, NSP)
+        ms = rs < NS
+        m = tl.load(PM + r * NS + rs, mask=ms, other=float("-inf"))
+        l = tl.load(PL + r * NS + rs, mask=ms, other=0.0)
+        sink = tl.load(SINK + r % H).to(tl.float32)
+        mx = tl.maximum(tl.max(m, 0), sink)
+        w = tl.exp(m - mx)
+        tot = tl.sum(l * w, 0) + tl.exp(sink - mx)
+        rd = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        acc = tl.load(PACC + (r * NS + rs[:, None]) * D + rd[None, :], mask=ms[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tot
+        tl.store(OUT + r * D + rd, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None):
+def _attn_splits(B: int, hb: int, key_blocks: int) -> int:
+    """Splits of the key range per (token, head block): enough programs to cover the GPU's ~132 SMs."""
+    return max(1, min(key_blocks, 128 // (B * hb)))
+
+
+def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
+                     splits: int | None = None):
+    """decode_attention_ref's result from two kernels: the key range split `splits` ways (default:
+    _attn_splits) per (token, head block), then one merge with the sinks."""
     B, H, d = q.shape
     if not use_triton(q) or d < 16 or d & (d - 1):
         return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count)
     out = torch.empty_like(q)
     mode = 0 if pool is None else (1 if sel is not None else 2)
     dummy = slots
-    bh = 16
-    _decode_attn_kernel[(B, triton.cdiv(H, bh))](
-        q.contiguous(), win, slots, pos, sink, out,
-        pool if pool is not None else win, table if table is not None else dummy,
-        sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
-        scale, H, table.shape[1] if table is not None else 0,
-        W=win.shape[1], D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=sel.shape[1] if sel is not None else 0,
-        CAP=table.shape[1] * pool.shape[1] if pool is not None else 0, MODE=mode, DYNAMIC=q.is_cuda,
-        BLOCK_H=bh, BLOCK_K=32, num_warps=8 if d >= 256 else 4, num_stages=2)
+    bh, bk = 16, 32
+    cap = table.shape[1] * pool.shape[1] if pool is not None else 0
+    ksel = sel.shape[1] if sel is not None else 0
+    W = win.shape[1]
+    ns = splits or _attn_splits(B, triton.cdiv(H, bh), triton.cdiv(W, bk) + triton.cdiv(ksel if mode == 1 else cap, bk))
+    pm = torch.empty(B * H * ns, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(B * H * ns, d, dtype=torch.float32, device=q.device)
+    if B:
+        _decode_attn_kernel[(B, triton.cdiv(H, bh), ns)](
+            q.contiguous(), win, slots, pos, pm, pl, pacc,
+            pool if pool is not None else win, table if table is not None else dummy,
+            sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
+            scale, H, table.shape[1] if table is not None else 0,
+            W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
+            DYNAMIC=q.is_cuda, NS=ns, BLOCK_H=bh, BLOCK_K=bk, num_warps=8 if d >= 256 else 4, num_stages=2)
+        bd = min(d, 128)
+        _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
+                                                 BLOCK_D=bd, num_warps=4)
     return out
 
 

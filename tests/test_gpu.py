@@ -113,8 +113,13 @@ def test_decode_attention(mode):
         kw = dict(pool=pool, table=table, sel=sel)
     elif mode == "hca":
         kw = dict(pool=pool, table=table, count=torch.randint(0, 70 * BE, (B,), device="cuda", generator=g))
-    a = decode_attention(q, win, slots, pos, sink, d ** -0.5, **kw)
-    assert rel(a, decode_attention_ref(q, win, slots, pos, sink, d ** -0.5, **kw)) < 1e-2
+    want = decode_attention_ref(q, win, slots, pos, sink, d ** -0.5, **kw)
+    for splits in (None, 1, 5, 40):  # the default (8 here), none, uneven, more splits than some rows have keys
+        assert rel(decode_attention(q, win, slots, pos, sink, d ** -0.5, splits=splits, **kw), want) < 1e-2, splits
+    for B1 in (1, 3):  # few rows: the default splits the key range wider
+        a = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5,
+                             **{k: v[:B1] if k != "pool" else v for k, v in kw.items()})
+        assert rel(a, want[:B1]) < 1e-2, B1
 
 
 def test_index_scores():

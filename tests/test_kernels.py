@@ -125,8 +125,9 @@ INTERPRETED = textwrap.dedent("""
     sel = torch.tensor([[0, 3, 9, -1, 12], [1, 2, -1, -1, -1], [-1, -1, -1, -1, -1]])
     count = torch.tensor([20, 5, 0])
     for kw in ({}, dict(pool=pool, table=table, sel=sel), dict(pool=pool, table=table, count=count)):
-        a = decode_attention(qq, win, slots, pos, sink, 0.3, **kw)
-        assert (a - decode_attention_ref(qq, win, slots, pos, sink, 0.3, **kw)).abs().max() < 1e-5
+        for splits in (None, 1, 3):  # 3: one split sees no valid key
+            a = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, **kw)
+            assert (a - decode_attention_ref(qq, win, slots, pos, sink, 0.3, **kw)).abs().max() < 1e-5, splits
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
