@@ -68,12 +68,13 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _decode_attn_kernel(Q, WIN, SLOTS, POS, PM, PL, PACC, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
+    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
                             W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr, CAP: tl.constexpr,
                             MODE: tl.constexpr, DYNAMIC: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries;
-        writes this split's running max, sum and unnormalized output (PM, PL, PACC) for _decode_combine_kernel."""
+        writes this split's running max, sum and unnormalized output (PM, PL, PACC) for _decode_combine_kernel
+        (NS = 1: the output itself, in PACC)."""
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mh = rh < H
@@ -108,10 +109,18 @@ if triton is not None:
                 blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
                 k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
-        row = (b * H + rh) * NS + sp
-        tl.store(PM + row, m, mask=mh)
-        tl.store(PL + row, l, mask=mh)
-        tl.store(PACC + row[:, None] * D + rd[None, :], acc, mask=mh[:, None])
+        if NS == 1:  # one split: add the sinks and normalize here (PACC is the output)
+            sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.exp(sink - m_new)
+            out = acc * alpha[:, None] / l[:, None]
+            tl.store(PACC + (b * H + rh[:, None]) * D + rd[None, :], out.to(PACC.dtype.element_ty), mask=mh[:, None])
+        else:
+            row = (b * H + rh) * NS + sp
+            tl.store(PM + row, m, mask=mh)
+            tl.store(PL + row, l, mask=mh)
+            tl.store(PACC + row[:, None] * D + rd[None, :], acc, mask=mh[:, None])
 
     @triton.jit
     def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, H, D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
@@ -139,8 +148,8 @@ def _attn_splits(B: int, hb: int, key_blocks: int) -> int:
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
                      splits: int | None = None):
-    """decode_attention_ref's result from two kernels: the key range split `splits` ways (default:
-    _attn_splits) per (token, head block), then one merge with the sinks."""
+    """decode_attention_ref's result: the key range split `splits` ways (default: _attn_splits) per (token, head
+    block), then one merge kernel with the sinks; a single split (large batches) normalizes in place."""
     B, H, d = q.shape
     if not use_triton(q) or d < 16 or d & (d - 1):
         return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count)
@@ -152,20 +161,21 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
     ksel = sel.shape[1] if sel is not None else 0
     W = win.shape[1]
     ns = splits or _attn_splits(B, triton.cdiv(H, bh), triton.cdiv(W, bk) + triton.cdiv(ksel if mode == 1 else cap, bk))
-    pm = torch.empty(B * H * ns, dtype=torch.float32, device=q.device)
+    pm = torch.empty(B * H * ns if ns > 1 else 0, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(B * H * ns, d, dtype=torch.float32, device=q.device)
+    pacc = torch.empty(B * H * ns, d, dtype=torch.float32, device=q.device) if ns > 1 else out
     if B:
         _decode_attn_kernel[(B, triton.cdiv(H, bh), ns)](
-            q.contiguous(), win, slots, pos, pm, pl, pacc,
+            q.contiguous(), win, slots, pos, sink, pm, pl, pacc,
             pool if pool is not None else win, table if table is not None else dummy,
             sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
             scale, H, table.shape[1] if table is not None else 0,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
             DYNAMIC=q.is_cuda, NS=ns, BLOCK_H=bh, BLOCK_K=bk, num_warps=8 if d >= 256 else 4, num_stages=2)
-        bd = min(d, 128)
-        _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
-                                                 BLOCK_D=bd, num_warps=4)
+        if ns > 1:
+            bd = min(d, 128)
+            _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
+                                                     BLOCK_D=bd, num_warps=4)
     return out
 
 
