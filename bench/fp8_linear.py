@@ -70,7 +70,7 @@ def main():
                     row[f"split bn{bn} ks{ks}"] = graph_us(lambda: fp8_linear_split(x, wq, ws, blocks=(bn, ks)))
             cells = "  ".join(f"{k} {v:6.1f} ({N * K * (2 if k.startswith('bf16') else 1) / v / 1e3:5.0f})"
                               for k, v in row.items())
-            print(f"M {M:4d} {name:15s} N {N:5d} K {K:5d} (heuristic bn {bn0}, split {_split_blocks(M, N, K // 128)}):"
+            print(f"M {M:4d} {name:15s} N {N:5d} K {K:5d} (heuristic bn {bn0}, split {_split_blocks(N)}):"
                   f" {cells}", flush=True)
 
 

@@ -235,7 +235,7 @@ def use_split(M: int, K: int) -> bool:
     return M <= 16 and K >= 1024
 
 
-def _split_blocks(M: int, N: int, nkb: int) -> tuple[int, int]:
+def _split_blocks(N: int) -> tuple[int, int]:
     """(BLOCK_N, K blocks per program) of the split kernel: the widths that measured fastest."""
     return (64 if N >= 1024 else 32), 2
 
@@ -248,7 +248,7 @@ def fp8_linear_split(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
     GN, K = wq.shape
     N = GN // groups
     nkb = K // BLOCK
-    bn, ks = blocks or _split_blocks(M, N, nkb)
+    bn, ks = blocks or _split_blocks(N)
     ks = max(1, min(ks, nkb))
     while nkb % ks:
         ks -= 1
