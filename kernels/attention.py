@@ -143,7 +143,7 @@ if triton is not None:
 
 def _attn_splits(B: int, hb: int, key_blocks: int) -> int:
     """Splits of the key range per (token, head block): enough programs to cover the GPU's ~132 SMs."""
-    return max(1, min(key_blocks, 128 // (B * hb)))
+    return max(1, min(key_blocks, 128 // max(1, B * hb)))
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,

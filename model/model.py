@@ -623,9 +623,9 @@ def dispatch(x, order, k: int, inv=None):
     return _Rows.apply(x, order // k, inverse(order) if inv is None else inv, k)
 
 
-def permute(x, perm):
-    """x[perm] for a permutation of x's rows."""
-    return _Rows.apply(x, perm, inverse(perm), 1)
+def permute(x, perm, inv=None):
+    """x[perm] for a permutation of x's rows (inv: inverse(perm), if the caller has it)."""
+    return _Rows.apply(x, perm, inverse(perm) if inv is None else inv, 1)
 
 
 def combine(ys, order, w, inv=None):
@@ -641,7 +641,7 @@ def combine(ys, order, w, inv=None):
 def _combine(ys, order, w, inv=None):
     N, k = w.shape
     inv = inverse(order) if inv is None else inv
-    ys = _Rows.apply(ys, inv, order, 1).view(N, k, ys.shape[-1])  # permute(ys, inv)
+    ys = permute(ys, inv, order).view(N, k, ys.shape[-1])
     return (ys * w[..., None].to(ys.dtype)).sum(1)
 
 

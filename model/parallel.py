@@ -93,8 +93,9 @@ class EPExperts(Experts):
         e_recv = e_send.new_empty(sum(rc))
         dist.all_to_all_single(e_recv, e_send, rc, sc, group=self.group)
         o2 = torch.argsort(e_recv, stable=True)
-        y_sorted = self.forward_sorted(permute(x_recv, o2), expert_counts(e_recv, self.n_local))
-        y_recv = permute(y_sorted, inverse(o2))
+        io2 = inverse(o2)
+        y_sorted = self.forward_sorted(permute(x_recv, o2, io2), expert_counts(e_recv, self.n_local))
+        y_recv = permute(y_sorted, io2, o2)
         y_back = dist_nn.all_to_all_single(x.new_empty(sum(sc), D), y_recv, sc, rc, group=self.group)
         return combine(y_back, order, w, inv)
 
