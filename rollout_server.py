@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import decode_attention, index_scores, index_topk
@@ -50,7 +51,7 @@ from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, 
 from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
-from model.model import Experts, Linear, Transformer, attend, hc_post
+from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post
 from model.weights import FP8_LINEAR, load_pretrained
 
 
@@ -182,13 +183,73 @@ class FP8Linear(nn.Module):
         self.qweight.copy_(q)
         self.scale.copy_(s.float())
 
+    @classmethod
+    def holding(cls, q: torch.Tensor, s: torch.Tensor, like: "FP8Linear") -> "FP8Linear":
+        """A holder of already quantized q, s (no copy), in `like`'s formats."""
+        lin = cls.__new__(cls)
+        nn.Module.__init__(lin)
+        lin.fp8, lin.scale_fmt, lin.dtype = like.fp8, like.scale_fmt, like.dtype
+        lin.register_buffer("qweight", q)
+        lin.register_buffer("scale", s)
+        return lin
+
+
+class InputGEMMs:
+    """One GEMM per weight format over the linears of an attention layer that read its input h (wq_a, wkv, the
+    compressors' wkv / wgate, the indexer's weights_proj: 2 in FP8 + 5 in BF16 at a CSA layer of the FP8
+    engine), instead of one each. The linears keep views of their rows of the concatenated weight, so weight
+    syncs into them land in it. Calling it gives each linear's output (a column slice of the group's)."""
+
+    def __init__(self, lins: dict):
+        self.groups = []
+        kinds = {}
+        for key, lin in lins.items():
+            kinds.setdefault(type(lin), []).append((key, lin))
+        for kind, members in kinds.items():
+            fp8 = kind is FP8Linear
+            held = [lin.qweight if fp8 else lin.weight.data for _, lin in members]
+            if len(members) < 2 or (fp8 and any(w.shape[0] % BLOCK for w in held)):
+                continue  # computed by its own linear
+            w = torch.cat(held)
+            scale = torch.cat([lin.scale for _, lin in members]) if fp8 else None
+            spans, a = [], 0
+            for (key, lin), h in zip(members, held):
+                b = a + h.shape[0]
+                if fp8:
+                    lin.qweight, lin.scale = w[a:b], scale[a // BLOCK:b // BLOCK]
+                else:
+                    lin.weight = nn.Parameter(w[a:b], requires_grad=False)
+                spans.append((key, a, b))
+                a = b
+            self.groups.append((FP8Linear.holding(w, scale, members[0][1]) if fp8 else w, spans))
+
+    def __call__(self, h) -> dict:
+        out = {}
+        for holder, spans in self.groups:
+            y = holder(h) if isinstance(holder, FP8Linear) else F.linear(h, holder)
+            out.update((key, y[..., a:b]) for key, a, b in spans)
+        return out
+
+    @staticmethod
+    def linears(attn) -> dict:
+        """The linears of an attention layer that read its input, by the key `projections` uses."""
+        lins = {"wq_a": attn.wq_a, "wkv": attn.wkv}
+        if attn.compressor is not None:
+            lins["ckv"], lins["cgate"] = attn.compressor.wkv, attn.compressor.wgate
+        if attn.indexer is not None:
+            ic = attn.indexer.compressor
+            lins["ikv"], lins["igate"], lins["iw"] = ic.wkv, ic.wgate, attn.indexer.weights_proj
+        return lins
+
 
 class EngineExperts(nn.Module):
     """Routed experts for inference: FP8 with block scales (fp8 given) or in the compute dtype, always through
     the grouped kernel (`fused_moe`: only the experts a batch routes to are read).
 
     Under rollout expert parallelism (ep = (group, size, rank)) this rank holds experts [offset, offset + n_local)
-    of each layer, computes only the token slots routed to them, and the group sums the routed output."""
+    of each layer, computes only the token slots routed to them, and the group sums the routed output.
+    Without it the layer's shared expert joins the stacks as expert n_local (`fold_shared`): one more slot a token
+    in the same launches, instead of three linears, a SwiGLU and an add of its own."""
 
     def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None):
         super().__init__()
@@ -196,6 +257,7 @@ class EngineExperts(nn.Module):
         self.n_local = ex.n_local // size
         self.expert_offset, self.limit = rank * self.n_local, ex.limit
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
+        self.n_shared = 0
         sl = slice(self.expert_offset, self.expert_offset + self.n_local)
         for name in ("w1", "w2", "w3"):
             w = getattr(ex, name).data[sl]
@@ -211,20 +273,48 @@ class EngineExperts(nn.Module):
         if self.group is not None:  # other ranks' experts -> the skipped bucket
             idx = idx - self.expert_offset
             idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
-        y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit)
+        y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit, self.n_shared)
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y
 
+    def routed(self, name: str) -> torch.Tensor:
+        """The routed experts' part of stack `name` (w1, s1, ...), without a folded shared expert."""
+        return getattr(self, name)[: self.n_local]
+
+    @torch.no_grad()
+    def fold_shared(self, mlp: nn.Module) -> bool:
+        """Move the shared expert `mlp` (w1/w3 (I, D), w2 (D, I): one routed expert's shapes) into the stacks as
+        expert n_local; its linears keep views of their slices, so weight syncs into them land in the stacks.
+        -> False (nothing changed) where it does not fit: expert parallelism, other shapes."""
+        names = ("w1", "w2", "w3")
+        lins = [getattr(mlp, n) for n in names]
+        if self.group is not None or any(isinstance(lin, FP8Linear) != (self.fp8 is not None) for lin in lins):
+            return False
+        held = [lin.qweight if self.fp8 is not None else lin.weight for lin in lins]
+        if any(h.shape != getattr(self, n).shape[1:] or h.dtype != getattr(self, n).dtype for h, n in zip(held, names)):
+            return False
+        for n, lin, h in zip(names, lins, held):
+            stack = torch.cat([getattr(self, n), h[None]])
+            setattr(self, n, stack)
+            if self.fp8 is not None:
+                scales = torch.cat([getattr(self, "s" + n[1]), lin.scale[None]])
+                setattr(self, "s" + n[1], scales)
+                lin.qweight, lin.scale = stack[-1], scales[-1]
+            else:
+                lin.weight = nn.Parameter(stack[-1], requires_grad=False)
+        self.n_shared = 1
+        return True
+
     @torch.no_grad()
     def load_(self, name: str, w: torch.Tensor):
-        w = w.to(getattr(self, name).device)
+        w = w.to(self.w1.device)
         if self.fp8 is None:
-            getattr(self, name).copy_(w)
+            self.routed(name).copy_(w)
             return
         q, s = quantize(w, self.fp8, self.scale_fmt)
-        getattr(self, name).copy_(q)
-        getattr(self, "s" + name[1]).copy_(s.float())
+        self.routed(name).copy_(q)
+        self.routed("s" + name[1]).copy_(s.float())
 
 
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str = "fp32",
@@ -245,6 +335,11 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                 setattr(parent, name, FP8Linear(child.weight.data, q, scale_fmt, dtype))
             elif type(child) is Experts:
                 setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep))
+    for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
+        if isinstance(mod, MoE) and mod.shared_experts is not None:
+            mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
+        elif isinstance(mod, Attention):
+            mod.input_gemms = InputGEMMs(InputGEMMs.linears(mod))
     return model
 
 
@@ -276,7 +371,7 @@ def weight_target(model: Transformer, name: str, t: torch.Tensor):
     mod = mods.get(mod_name)
     if isinstance(mod, EngineExperts):
         t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
-        dst = getattr(mod, "s" + leaf[1]) if scale else getattr(mod, leaf)
+        dst = mod.routed("s" + leaf[1] if scale else leaf)
         if scale or (t.dtype == dst.dtype and mod.fp8 is not None):
             return dst, t
         return None, lambda: mod.load_(leaf, t)
@@ -321,7 +416,7 @@ def fp8_checksums(model: Transformer) -> dict:
             for leaf in ("w1", "w2", "w3"):
                 key = f"{mod_name}.{leaf}" if mod.group is None else \
                     f"{mod_name}.{leaf}[{mod.expert_offset}:{mod.expert_offset + mod.n_local}]"
-                out[key] = checksum(getattr(mod, leaf)) + checksum(getattr(mod, "s" + leaf[1]))
+                out[key] = checksum(mod.routed(leaf)) + checksum(mod.routed("s" + leaf[1]))
     return out
 
 
@@ -391,16 +486,19 @@ def projections(attn, h, pos, tables, raw: bool = False):
     compressors' kv / gate as their linears give them (no fp32 copy, no position bias; the decode step's
     compress kernel applies both)."""
     cos, sin = tables[attn.rope_kind]
-    q, q_res = attn.project_q(h, cos, sin)
-    pr = {"q": q, "kv": attn.project_kv(h, cos, sin)[0]}
+    ins = attn.input_gemms(h) if hasattr(attn, "input_gemms") else {}
+    q, q_res = attn.project_q(h, cos, sin, ins.get("wq_a"))
+    pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"))[0]}
 
-    def comp(c):
-        return (c.wkv(h), c.wgate(h)) if raw else c.project(h, pos)
+    def comp(c, key):
+        kv = ins[key + "kv"] if key + "kv" in ins else c.wkv(h)
+        gate = ins[key + "gate"] if key + "gate" in ins else c.wgate(h)
+        return (kv, gate) if raw else c.biased(kv, gate, pos)
     if attn.compressor is not None:
-        pr["ckv"], pr["cgate"] = comp(attn.compressor)
+        pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
     if attn.indexer is not None:
-        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"])
-        pr["ikv"], pr["igate"] = comp(attn.indexer.compressor)
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"))
+        pr["ikv"], pr["igate"] = comp(attn.indexer.compressor, "i")
     return pr
 
 
@@ -857,10 +955,13 @@ class Runner:
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
     def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope):
+        """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio)."""
         c = self.cache
         pr = projections(attn, h, pos, tables, raw=True)
-        W = attn.window
-        c.win[li][slots, pos % W] = pr["kv"].to(c.win[li].dtype)
+        key = ("window", attn.window)
+        if key not in wrope:
+            wrope[key] = pos % attn.window
+        c.win[li][slots, wrope[key]] = pr["kv"].to(c.win[li].dtype)
         q = pr["q"][0]
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale)

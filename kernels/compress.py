@@ -27,7 +27,7 @@ if triton is not None:
 
     @triton.jit
     def _compress_decode_kernel(KV, GATE, POS, SLOTS, TABLE, BK, BG, PK, PG, POOL, APE, NW, COS, SIN, COUNT, eps,
-                                max_blocks, R: tl.constexpr, WIDTH: tl.constexpr, HD: tl.constexpr,
+                                max_blocks, stride_kv, stride_gate, R: tl.constexpr, WIDTH: tl.constexpr, HD: tl.constexpr,
                                 RD: tl.constexpr, BE: tl.constexpr, OVERLAP: tl.constexpr, BW: tl.constexpr,
                                 BR: tl.constexpr, HALF: tl.constexpr):
         b = tl.program_id(0)
@@ -39,8 +39,8 @@ if triton is not None:
         for w0 in range(0, WIDTH, BW):  # this token's row of the partial window
             rw = w0 + tl.arange(0, BW)
             mw = rw < WIDTH
-            tl.store(BK + row * WIDTH + rw, tl.load(KV + b * WIDTH + rw, mask=mw).to(tl.float32), mask=mw)
-            g = tl.load(GATE + b * WIDTH + rw, mask=mw).to(tl.float32) + tl.load(APE + (p % R) * WIDTH + rw, mask=mw)
+            tl.store(BK + row * WIDTH + rw, tl.load(KV + b * stride_kv + rw, mask=mw).to(tl.float32), mask=mw)
+            g = tl.load(GATE + b * stride_gate + rw, mask=mw).to(tl.float32) + tl.load(APE + (p % R) * WIDTH + rw, mask=mw)
             tl.store(BG + row * WIDTH + rw, g, mask=mw)
         if (p + 1) % R == 0:
             tl.debug_barrier()  # the row just stored is read back by other threads of this program
@@ -114,19 +114,22 @@ if triton is not None:
 
 def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev_gate, pool, ape, norm_w,
                     eps: float, cos, sin):
-    """See the module docstring. Needs Triton (GPU, or TRITON_INTERPRET=1); every tensor contiguous."""
+    """See the module docstring. Needs Triton (GPU, or TRITON_INTERPRET=1); every tensor contiguous but the rows
+    of kv and gate (column slices of the engine's fused input GEMM)."""
     assert use_triton(kv), "compress_decode runs on Triton; the torch twin is rollout_server.compress_step_ref"
     B, width = kv.shape
     R, hd = buf_kv.shape[1], pool.shape[2]
     overlap = prev_kv is not None
     assert width == (2 * hd if overlap else hd) and buf_kv.shape[2] == width and hd % 2 == 0
     count = torch.empty(B, dtype=torch.int64, device=kv.device)
+    kv, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, gate))
     if B:
         pk = prev_kv if overlap else buf_kv
         pg = prev_gate if overlap else buf_gate
         _compress_decode_kernel[(B,)](
-            kv.contiguous(), gate.contiguous(), pos, slots, table.contiguous(), buf_kv, buf_gate, pk, pg, pool,
-            ape.contiguous(), norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], R=R,
+            kv, gate, pos, slots, table.contiguous(), buf_kv, buf_gate, pk, pg, pool,
+            ape.contiguous(), norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], kv.stride(0),
+            gate.stride(0), R=R,
             WIDTH=width, HD=hd, RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, pow2(width)),
             BR=min(pow2(2 * R if overlap else R), 16), HALF=pow2(hd // 2), num_warps=4)
     return count

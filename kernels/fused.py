@@ -127,11 +127,11 @@ if triton is not None:
                  mask=mi[:, None] & md[None, :])
 
     @triton.jit
-    def _rms_kernel(X, W, Y, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
+    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
         r = tl.program_id(0)
         rd = tl.arange(0, BLOCK)
         md = rd < D
-        x = tl.load(X + r * D + rd, mask=md, other=0.0)
+        x = tl.load(X + r * stride_x + rd, mask=md, other=0.0)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         if WEIGHTED:
@@ -347,14 +347,17 @@ if triton is not None:
 
 
 def _rms_fwd(x, weight, eps: float):
+    """Rows of x may be strided (a column slice of a wider output: the engine's fused input GEMMs)."""
     D = x.shape[-1]
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    rows = xc.numel() // D
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if rows:
-        _rms_kernel[(rows,)](xc, weight if weight is not None else xc, y, eps, D=D, BLOCK=pow2(D),
+        _rms_kernel[(rows,)](x2, weight if weight is not None else x2, y, eps, x2.stride(0), D=D, BLOCK=pow2(D),
                              WEIGHTED=weight is not None, num_warps=4 if D <= 2048 else 8)
-    return y
+    return y.view(x.shape)
 
 
 class _RmsNorm(torch.autograd.Function):

@@ -222,12 +222,13 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
 
-    def query(self, x, q_res, cos, sin):
-        """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32."""
+    def query(self, x, q_res, cos, sin, w=None):
+        """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32. w: weights_proj(x) where the caller
+        has it."""
         B, T, _ = x.shape
         q = self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).float()
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        w = (self.weights_proj(x) if w is None else w).float() * self.n_heads ** -0.5
         return q, w
 
     def scores(self, q, w, keys):
@@ -399,16 +400,17 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, cfg.hca_ratio, cfg.head_dim, overlap=False)
 
     # pieces shared with the rollout engine's incremental path
-    def project_q(self, x, cos, sin):
-        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too)."""
+    def project_q(self, x, cos, sin, a=None):
+        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too).
+        a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x)."""
         B, T, _ = x.shape
-        q_res = self.q_norm(self.wq_a(x))
+        q_res = self.q_norm(self.wq_a(x) if a is None else a)
         q = rms_unweighted(self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
         return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), q_res
 
-    def project_kv(self, x, cos, sin):
-        """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head."""
-        return apply_rope(self.norm(self.wkv(x)), cos, sin)
+    def project_kv(self, x, cos, sin, kv=None):
+        """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head. kv: wkv(x) where the caller has it."""
+        return apply_rope(self.norm(self.wkv(x) if kv is None else kv), cos, sin)
 
     def project_out(self, o, cos, sin):
         """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position."""
@@ -664,6 +666,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_limit) \
             if cfg.n_shared_experts else None
+        self.shared_in_experts = False  # the rollout engine's grouped kernel runs the shared expert too
 
     def forward(self, x, input_ids, replay=None, token_mask=None):
         """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k)."""
@@ -672,7 +675,7 @@ class MoE(nn.Module):
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
                            None if token_mask is None else token_mask.reshape(-1))
         y = self.experts(flat, idx, w)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.shared_in_experts:
             y = y + self.shared_experts(flat)
         return y.view(shape), idx.view(*shape[:-1], -1)
 

@@ -66,16 +66,19 @@ def sample_case(device, B: int, V: int, seed: int = 0) -> tuple[int, float]:
     return int((t1 != t2).sum()), (l1 - l2).abs().max().item()
 
 
-def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0) -> bool:
+def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0,
+                   n_shared: int = 0) -> bool:
     """kernels.moe.moe_align's one-program kernel against its torch twin (fused=False), with a fraction `absent` of
-    slots routed to another rank ("not here" = n_experts). -> whether both outputs are identical."""
+    slots routed to another rank ("not here" = n_experts) and n_shared shared experts (the last ones, every
+    token's). -> whether both outputs are identical."""
     from kernels import moe
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(T)]) if T else \
+    routed = n_experts - n_shared
+    ids = torch.stack([torch.randperm(routed, generator=g)[:k] for _ in range(T)]) if T else \
         torch.zeros(0, k, dtype=torch.int64)
     ids = torch.where(torch.rand(ids.shape, generator=g) < absent, torch.full_like(ids, n_experts), ids).to(device)
-    slots, bexp = moe.moe_align(ids, n_experts)
-    s2, b2 = moe.moe_align(ids, n_experts, fused=False)
+    slots, bexp = moe.moe_align(ids, n_experts, n_shared=n_shared)
+    s2, b2 = moe.moe_align(ids, n_experts, fused=False, n_shared=n_shared)
     return torch.equal(slots, s2) and torch.equal(bexp, b2)
 
 

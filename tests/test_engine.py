@@ -83,6 +83,10 @@ def test_fp8_holders_and_weight_updates(model):
     assert isinstance(attn.wq_a, FP8Linear) and attn.wq_a.qweight.dtype == torch.float8_e4m3fn
     assert isinstance(eng.model.layers[0].ffn.experts, EngineExperts)
     assert eng.model.layers[0].ffn.experts.w1.dtype == torch.float8_e4m3fn
+    # the shared expert is one more expert of the grouped kernel; its FP8 holders are views of the stacks
+    ffn = eng.model.layers[0].ffn
+    assert ffn.shared_in_experts and ffn.experts.w1.shape[0] == ffn.experts.n_local + 1
+    assert ffn.shared_experts.w2.qweight.data_ptr() == ffn.experts.w2[-1].data_ptr()
     assert not isinstance(attn.compressor.wkv, FP8Linear) and not isinstance(attn.indexer.weights_proj, FP8Linear)
     # new weights arrive by name and are re-quantized in place: same as an engine built from the new model
     new = build_model(model.cfg, seed=5)

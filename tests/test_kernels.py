@@ -117,6 +117,13 @@ INTERPRETED = textwrap.dedent("""
     args = (xx, ids, wt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
     assert (km.fused_moe(*args) - km.fused_moe_ref(*args)).abs().max() < 1e-4
     assert (km.fused_moe(xx, ids, wt, *ws_) - km.fused_moe_ref(xx, ids, wt, *ws_)).abs().max() < 1e-4
+    # the last expert as a shared one (every token, weight 1) and slots on another rank (id E: skipped)
+    ids_sh = torch.where(torch.rand(T, k, generator=g) < 0.3, torch.full_like(ids, E), ids.clamp(max=E - 2))
+    for n_sh in (0, 1):
+        for w_ in (args[3:], ws_):  # FP8, then plain weights
+            got = km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh)
+            want = km.fused_moe_ref(xx, ids_sh, wt, *w_, n_shared=n_sh)
+            assert (got - want).abs().max() < 1e-4 * want.abs().max(), n_sh
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
     pool, sink = torch.randn(10, BE, d, generator=g), torch.randn(H, generator=g)
@@ -190,8 +197,9 @@ INTERPRETED = textwrap.dedent("""
         d = compress_decode_case("cpu", ratio, overlap, hd, rd, in_dtype=torch.bfloat16 if ratio % 2 else torch.float32)
         assert d.pop("count") == 0 and d.pop("pool") < 1e-5 * d.pop("pool_ref_scale") and max(d.values()) == 0, d
     from tests.kernel_cases import moe_align_case
-    for T, k, E, absent in ((1, 6, 32, 0), (5, 2, 4, 0), (300, 6, 32, 0.3), (17, 8, 256, 0.5), (0, 2, 4, 0)):
-        assert moe_align_case("cpu", T, k, E, absent), (T, k, E, absent)
+    for T, k, E, absent, n_sh in ((1, 6, 32, 0, 0), (5, 2, 4, 0, 0), (300, 6, 32, 0.3, 0), (17, 8, 256, 0.5, 0),
+                                  (0, 2, 4, 0, 0), (1, 6, 33, 0, 1), (40, 6, 33, 0, 1), (9, 2, 6, 0.2, 2)):
+        assert moe_align_case("cpu", T, k, E, absent, n_shared=n_sh), (T, k, E, absent, n_sh)
     from tests.kernel_cases import sample_case
     for B, V in ((5, 1000), (3, 5000), (2, 50)):
         bad, dlp = sample_case("cpu", B, V)

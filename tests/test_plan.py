@@ -50,8 +50,9 @@ def test_rollout_weights_and_pools_equal_the_engine_allocation():
     p = plan(run)["rollout"]
     eng = Engine(build_model(run.model, seed=0), fp8=True, dtype=torch.bfloat16, device="cpu", max_seqs=4,
                  max_model_len=512)
-    weights = sum(t.numel() * t.element_size() for n, t in list(eng.model.named_parameters())
-                  + list(eng.model.named_buffers()) if "inv_freq" not in n)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # storages: views share theirs
+            for n, t in list(eng.model.named_parameters()) + list(eng.model.named_buffers()) if "inv_freq" not in n}
+    weights = sum(held.values())
     c = eng.cache
     pools = sum(t.numel() * t.element_size() for d in (c.win, c.entries, c.ikeys, c.buf_kv, c.buf_gate, c.prev_kv,
                                                         c.prev_gate, c.ibuf_kv, c.ibuf_gate, c.iprev_kv, c.iprev_gate)
