@@ -120,25 +120,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if fused and use_triton(logits) and not filtered:
         return gumbel_sample(logits.float(), temps, torch.tensor(seeds, device=dev, dtype=torch.int64),
                              torch.tensor(steps, device=dev, dtype=torch.int64))
+    seeds = torch.tensor(seeds, device=dev, dtype=torch.int64)
+    steps = torch.tensor(steps, device=dev, dtype=torch.int64)
+    if not filtered:
+        return sample_plain(logits, temps, seeds, steps)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    lp = scaled.log_softmax(-1)
-    masked = scaled
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    if filtered:
-        srt, order = masked.sort(-1, descending=True)
-        keep = torch.ones_like(srt, dtype=torch.bool)
-        ks = torch.tensor([k if k > 0 else V for k in top_k], device=dev)
-        keep &= torch.arange(V, device=dev)[None] < ks[:, None]
-        probs = srt.softmax(-1)
-        ps = torch.tensor(top_p, device=dev)
-        keep &= (probs.cumsum(-1) - probs) < ps[:, None]
-        masked = torch.full_like(masked, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
-    noise = gumbel_noise(torch.tensor(seeds, device=dev, dtype=torch.int64),
-                         torch.tensor(steps, device=dev, dtype=torch.int64), V)
-    tok = torch.where(greedy, logits.argmax(-1), (masked + noise).argmax(-1))
-    return tok, lp.gather(-1, tok[:, None])[:, 0]
+    srt, order = scaled.sort(-1, descending=True)
+    keep = torch.arange(V, device=dev)[None] < torch.tensor([p.top_k if p.top_k > 0 else V for p in params],
+                                                            device=dev)[:, None]
+    probs = srt.softmax(-1)
+    keep &= (probs.cumsum(-1) - probs) < torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
+    tok = torch.where(greedy, logits.argmax(-1), (masked + gumbel_noise(seeds, steps, V)).argmax(-1))
+    return tok, scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+
+
+def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
+    """`sample` without top-k / top-p, from tensors (B,): the torch twin of kernels.sample.gumbel_sample, which
+    the decode step runs in itself on CPUs."""
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    tok = torch.where(greedy, logits.argmax(-1), (scaled + gumbel_noise(seeds, steps, logits.shape[1])).argmax(-1))
+    return tok, scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -770,18 +774,19 @@ class PagedCache:
         need = self.blocks_for(upto)
         return {k: max(0, need[k] - len(seq.blocks[k])) for k in need}
 
-    def step_need(self, seqs: list[Sequence]) -> tuple[dict, list[Sequence]]:
-        """shortfall(s, s.fed + 1) summed over seqs, and the sequences short of a block (one decode step)."""
+    def step_need(self, seqs: list[Sequence], lags=None) -> tuple[dict, list]:
+        """shortfall(s, s.fed + lag + 1) summed over seqs, and the (sequence, lag) pairs short of a block (one decode
+        step; lag: steps of the sequence still in flight)."""
         need, short, BE = {k: 0 for k in self.ratio}, [], self.BE
-        for s in seqs:
-            u, lacks = s.fed + 1, False
+        for s, g in zip(seqs, lags or [0] * len(seqs)):
+            u, lacks = s.fed + g + 1, False
             for k, r in self.ratio.items():
                 n = -(-(u // r) // BE) - len(s.blocks[k])
                 if n > 0:
                     need[k] += n
                     lacks = True
             if lacks:
-                short.append(s)
+                short.append((s, g))
         return need, short
 
     def fits(self, need: dict) -> bool:
@@ -915,6 +920,9 @@ class Runner:
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
         self.pool = None
         self.staging, self.pinned = {}, {}
+        self.parity = 0  # host buffers alternate between steps, so one step can be staged while one is in flight
+        # the tokens each decode step samples, by row: the next step can take its inputs from them on the device
+        self.tok = torch.zeros(pow2(cache.n_slots + 1), dtype=torch.int64, device=cache.device)
 
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -983,10 +991,13 @@ class Runner:
         return attn.project_out(out[None], *tables[attn.rope_kind])
 
     def _decode_eager(self, inp):
-        """inp (6, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
-        float64 bits). -> logits (n, V) fp32, routing (n, L, k) uint8, and where the fused sampler runs (GPUs)
-        tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k / top-p."""
-        ids, pos, slots = inp[0], inp[1], inp[2]
+        """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
+        float64 bits), and the row of the previous step whose sampled token is this row's id (-1: the id row).
+        -> logits (n, V) fp32, routing (n, L, k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and
+        log-probs for rows without top-k / top-p (kernels.sample on GPUs, sample_plain elsewhere)."""
+        n = inp.shape[1]
+        ids = torch.where(inp[6] >= 0, self.tok[inp[6].clamp(min=0)], inp[0])
+        pos, slots = inp[1], inp[2]
         tabs = {k: t[slots] for k, t in self.cache.tables.items()}
         wrope = {}
 
@@ -994,34 +1005,44 @@ class Runner:
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
         x, routing = run_layers(self.model, ids, pos, attention)
         out = {"logits": head_logits(self.model, x[0]), "routing": routing.to(torch.uint8)}
-        if use_triton(out["logits"]):
-            out["tok"], out["lp"] = gumbel_sample(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
+        draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
+        out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
+        self.tok[:n].copy_(out["tok"])
         return out
 
-    def _stage(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _stage(self, seqs: list[Sequence], lags=None, src=None) -> torch.Tensor:
         """The step's inputs (see _decode_eager) in one host buffer (pinned on GPUs: one asynchronous copy),
-        padded to a power of two with rows that write to the scratch slot."""
+        padded to a power of two with rows that write to the scratch slot. lags[i]: steps of sequence i still
+        in flight (0 or 1: its position and sampling step move on by that many); src[i]: the in-flight step's
+        row whose token sequence i feeds (-1: its last host token)."""
         B = len(seqs)
         n = pow2(B)
-        h = self.staging.get(n)
+        self.parity ^= 1
+        h = self.staging.get((n, self.parity))
         if h is None:
-            h = self.staging[n] = torch.empty(6, n, dtype=torch.int64, pin_memory=self.cache.device.type == "cuda")
+            h = self.staging[n, self.parity] = torch.empty(7, n, dtype=torch.int64,
+                                                           pin_memory=self.cache.device.type == "cuda")
         a = h.numpy()
         a[:, B:] = 0
         a[2, B:] = self.cache.trash
+        a[6] = -1
+        lags = lags or [0] * B
         a[0, :B] = [s.tokens[-1] for s in seqs]
-        a[1, :B] = [s.fed for s in seqs]
+        a[1, :B] = [s.fed + g for s, g in zip(seqs, lags)]
         a[2, :B] = [s.slot for s in seqs]
         a[3, :B] = [s.seed for s in seqs]
-        a[4, :B] = [len(s.tokens) for s in seqs]
+        a[4, :B] = [len(s.tokens) + g for s, g in zip(seqs, lags)]
         a[5, :B].view(np.float64)[:] = [s.params.temperature for s in seqs]
+        if src is not None:
+            a[6, :B] = src
         return h
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> dict:
-        """Feed every sequence's last sampled token. -> device tensors of the B rows (see _decode_eager)."""
+    def decode(self, seqs: list[Sequence], lags=None, src=None) -> dict:
+        """Feed every sequence's last sampled token (see _stage for lags and src). -> device tensors of the B rows
+        (see _decode_eager); nothing waits for the device."""
         B = len(seqs)
-        h = self._stage(seqs)
+        h = self._stage(seqs, lags, src)
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
         if bucket is None:
             out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True))
@@ -1032,26 +1053,40 @@ class Runner:
             out = g["out"]
         return {k: v[:B] for k, v in out.items()}
 
-    def fetch(self, *ts: torch.Tensor) -> list[np.ndarray]:
-        """Device tensors -> host arrays: copies into pinned buffers and one synchronization."""
+    def fetch_start(self, *ts: torch.Tensor):
+        """Start copying device tensors to the host (pinned buffers of this step's parity, one event). -> a handle
+        for fetch_wait."""
         if self.cache.device.type != "cuda":
-            return [t.cpu().numpy() for t in ts]
+            return [t.cpu().numpy() for t in ts], None
         hs = []
         for i, t in enumerate(ts):
-            key = (i, t.dtype, tuple(t.shape[1:]))
+            key = (i, t.dtype, tuple(t.shape[1:]), self.parity)
             h = self.pinned.get(key)
             if h is None or h.shape[0] < t.shape[0]:
                 h = self.pinned[key] = torch.empty(max(t.shape[0], self.cache.n_slots), *t.shape[1:], dtype=t.dtype,
                                                    pin_memory=True)
             hs.append(h[:t.shape[0]])
             hs[-1].copy_(t, non_blocking=True)
-        torch.cuda.current_stream(self.cache.device).synchronize()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.cache.device))
+        return hs, ev
+
+    @staticmethod
+    def fetch_wait(handle) -> list[np.ndarray]:
+        hs, ev = handle
+        if ev is None:
+            return hs
+        ev.synchronize()
         return [h.numpy().copy() for h in hs]
+
+    def fetch(self, *ts: torch.Tensor) -> list[np.ndarray]:
+        """Device tensors -> host arrays: copies into pinned buffers and one synchronization."""
+        return self.fetch_wait(self.fetch_start(*ts))
 
     def _capture(self, bucket: int):
         c, dev = self.cache, self.cache.device
-        inp = torch.zeros(6, bucket, dtype=torch.int64, device=dev)
-        inp[2] = c.trash
+        inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
+        inp[2], inp[6] = c.trash, -1
         self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -1069,9 +1104,12 @@ class Engine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str = "fp32", max_seqs: int = 256, max_model_len: int = 4096,
                  block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
-                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None):
+                 max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
+                 pipeline: bool = True):
         """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
-        on identical requests, each holding 1/size of the routed experts."""
+        on identical requests, each holding 1/size of the routed experts.
+        pipeline: launch each decode step before reading the last one's tokens (they feed it on the device), so
+        the host's bookkeeping overlaps the device's work; False: one step at a time (the twin)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
@@ -1085,6 +1123,8 @@ class Engine:
         self.runner = Runner(self.model, self.cache, cuda_graphs)
         self.stats = {"preemptions": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0}
+        self.pipeline = pipeline
+        self.ahead = None  # the decode step in flight: (its sequences, fetch handle)
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         cfg = self.cfg
@@ -1126,6 +1166,7 @@ class Engine:
         running: list[Sequence] = []
         order = 0
         c = self.cache
+        self._drain(running)  # a step left in flight by an earlier call that raised
         while waiting or prefilling or running:
             while waiting:  # admit whole groups while slots and blocks last
                 s = waiting[0]
@@ -1150,6 +1191,7 @@ class Engine:
                 self.stats["decode_tokens"] += len(running)
                 self._decode_step(running, waiting)
                 self.stats["decode_s"] += time.perf_counter() - t0
+        self._drain(running)
         return [Output(s.prompt, s.tokens, s.logprobs,
                        torch.from_numpy(np.concatenate(s.routing)[: len(s.prompt) + len(s.tokens) - 1]), s.finish)
                 for s in seqs]
@@ -1187,6 +1229,54 @@ class Engine:
             self._sample(done, torch.stack(rows), running)
 
     def _decode_step(self, running: list[Sequence], waiting: deque):
+        """One decode step's tokens. Pipelined: the step after it goes to the device first (every sequence that
+        may continue, at one position further, fed its token on the device), then this one's tokens are read.
+        A step whose blocks would need a preemption, or with top-k / top-p sampling (host-side), waits for the
+        step in flight and runs alone."""
+        if not self.pipeline or any(s.params.filtered for s in running):
+            self._drain(running)
+            if running:
+                self._decode_alone(running, waiting)
+            return
+        if self.ahead is None:  # nothing in flight: this step alone may preempt
+            self._reserve(running, waiting)
+            self.ahead = self._launch(running, [0] * len(running), None)
+        rows = {id(s): i for i, s in enumerate(self.ahead[0])}
+        # the next step: sequences the step in flight cannot end by length, a position further; new ones as they are
+        nxt = [s for s in running if id(s) not in rows or len(s.tokens) + 1 < s.params.max_tokens]
+        lags = [int(id(s) in rows) for s in nxt]
+        need, short = self.cache.step_need(nxt, lags)
+        launch = nxt and self.cache.fits(need)
+        if launch:
+            for s, g in short:
+                self.cache.grow(s, s.fed + g + 1)
+        handle = self._launch(nxt, lags, [rows.get(id(s), -1) for s in nxt]) if launch else None
+        self._collect(self.ahead, running)
+        self.ahead = handle
+
+    def _launch(self, seqs: list[Sequence], lags: list[int], src):
+        out = self.runner.decode(seqs, lags, src)
+        self.stats["decode_steps"] += 1
+        return seqs, self.runner.fetch_start(out["tok"], out["lp"], out["routing"])
+
+    def _collect(self, step, running: list[Sequence]):
+        """Read a launched step's tokens into its sequences that are still running (one may have ended on the
+        step before it, which was read after this one launched)."""
+        seqs, handle = step
+        tok, lp, routing = self.runner.fetch_wait(handle)
+        live = [i for i, s in enumerate(seqs) if s.finish is None]
+        for i in live:
+            seqs[i].routing.append(routing[i:i + 1])
+            seqs[i].fed += 1
+        self._take([seqs[i] for i in live], tok[live].tolist(), lp[live].tolist(), running, decoding=True)
+
+    def _drain(self, running: list[Sequence]):
+        if self.ahead is not None:
+            step, self.ahead = self.ahead, None
+            self._collect(step, running)
+
+    def _reserve(self, running: list[Sequence], waiting: deque):
+        """Blocks for the positions the next step writes; the newest sequences are preempted while short."""
         c = self.cache
         while True:  # blocks for the entries this step completes; preempt the newest sequences if short
             need, short = c.step_need(running)
@@ -1200,12 +1290,15 @@ class Engine:
             victim.feed, victim.fed, victim.resume = victim.prompt + victim.tokens[:-1], 0, True
             waiting.appendleft(victim)
             self.stats["preemptions"] += 1
-        for s in short:
+        for s, _ in short:
             c.grow(s, s.fed + 1)
+
+    def _decode_alone(self, running: list[Sequence], waiting: deque):
+        self._reserve(running, waiting)
         seqs = list(running)
         out = self.runner.decode(seqs)
         self.stats["decode_steps"] += 1
-        if "tok" in out and not any(s.params.filtered for s in seqs):  # sampled inside the step
+        if not any(s.params.filtered for s in seqs):  # sampled inside the step
             tok, lp, routing = self.runner.fetch(out["tok"], out["lp"], out["routing"])
         else:
             (routing,) = self.runner.fetch(out["routing"])

@@ -85,6 +85,30 @@ def test_stop_tokens_eos_and_limits(model):
         eng.generate([[]], GREEDY)
 
 
+@pytest.mark.parametrize("kw", [dict(max_seqs=3), dict(num_blocks=8, block_entries=4, max_seqs=4)],
+                         ids=["joins", "preemption"])
+def test_pipelined_decode_equals_one_step_at_a_time(model, kw):
+    """The pipelined decode loop (each step launched before the last one's tokens are read, its inputs taken from
+    them on the device) against the one-step-at-a-time twin: sequences that stop on a token or on their length
+    while the next step is in flight, others joining as they leave, preemption, and a top-k request mid-run
+    (which makes the steps it is in wait)."""
+    prompts = _prompts([4, 9, 17, 2, 30, 6], 7)
+    free = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=96,
+                  pipeline=False).generate(prompts[:1], SamplingParams(temperature=0.9, seed=3, max_tokens=30))[0]
+    stop = free.token_ids[11]
+    params = [SamplingParams(temperature=0.9, seed=3, max_tokens=30, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=1, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=1.1, seed=2, max_tokens=31, top_k=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=17, ignore_eos=True)]
+    outs = [Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=96, pipeline=p,
+                   **kw).generate(prompts, params) for p in (False, True)]
+    for a, b in zip(*outs):  # log-probs to 1e-4: the two loops batch different rows together
+        _same(a, b)
+    assert outs[0][0].finish_reason == "stop" and len(outs[0][0].token_ids) == free.token_ids.index(stop) + 1 > 1
+
+
 def test_fp8_logprobs_within_tolerance_of_the_model():
     """FP8 weights (W8A8 with 1x128 activation tiles: dims are multiples of 128 here) vs the fp32 model on the
     engine's own sampled tokens: mean |delta log p| < 0.05 and max < 0.3 (training init, std 0.02)."""
