@@ -1240,7 +1240,7 @@ class Engine:
             return
         if self.ahead is None:  # nothing in flight: this step alone may preempt
             self._reserve(running, waiting)
-            self.ahead = self._launch(running, [0] * len(running), None)
+            self.ahead = self._launch(list(running), [0] * len(running), None)
         rows = {id(s): i for i, s in enumerate(self.ahead[0])}
         # the next step: sequences the step in flight cannot end by length, a position further; new ones as they are
         nxt = [s for s in running if id(s) not in rows or len(s.tokens) + 1 < s.params.max_tokens]
