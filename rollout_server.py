@@ -132,8 +132,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     probs = srt.softmax(-1)
     keep &= (probs.cumsum(-1) - probs) < torch.tensor([p.top_p for p in params], device=dev)[:, None]
     masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
-    tok = torch.where(greedy, logits.argmax(-1), (masked + gumbel_noise(seeds, steps, V)).argmax(-1))
-    return tok, scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+    return _pick(logits, greedy, scaled, masked, seeds, steps)
 
 
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
@@ -141,7 +140,12 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     the decode step runs in itself on CPUs."""
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    tok = torch.where(greedy, logits.argmax(-1), (scaled + gumbel_noise(seeds, steps, logits.shape[1])).argmax(-1))
+    return _pick(logits, greedy, scaled, scaled, seeds, steps)
+
+
+def _pick(logits, greedy, scaled, masked, seeds, steps):
+    """Argmax (greedy rows) or Gumbel-max over the masked scaled logits; the log-probs under scaled."""
+    tok = torch.where(greedy, logits.argmax(-1), (masked + gumbel_noise(seeds, steps, logits.shape[1])).argmax(-1))
     return tok, scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
 
 
@@ -198,6 +202,14 @@ class FP8Linear(nn.Module):
         return lin
 
 
+def hold_view(lin: nn.Module, w: torch.Tensor, scale: torch.Tensor | None = None):
+    """Make linear `lin` hold w (and its block scales, for an FP8 holder): views of a larger weight it now shares."""
+    if isinstance(lin, FP8Linear):
+        lin.qweight, lin.scale = w, scale
+    else:
+        lin.weight = nn.Parameter(w, requires_grad=False)
+
+
 class InputGEMMs:
     """One GEMM per weight format over the linears of an attention layer that read its input h (wq_a, wkv, the
     compressors' wkv / wgate, the indexer's weights_proj: 2 in FP8 + 5 in BF16 at a CSA layer of the FP8
@@ -219,10 +231,7 @@ class InputGEMMs:
             spans, a = [], 0
             for (key, lin), h in zip(members, held):
                 b = a + h.shape[0]
-                if fp8:
-                    lin.qweight, lin.scale = w[a:b], scale[a // BLOCK:b // BLOCK]
-                else:
-                    lin.weight = nn.Parameter(w[a:b], requires_grad=False)
+                hold_view(lin, w[a:b], scale[a // BLOCK:b // BLOCK] if fp8 else None)
                 spans.append((key, a, b))
                 a = b
             self.groups.append((FP8Linear.holding(w, scale, members[0][1]) if fp8 else w, spans))
@@ -302,11 +311,8 @@ class EngineExperts(nn.Module):
             stack = torch.cat([getattr(self, n), h[None]])
             setattr(self, n, stack)
             if self.fp8 is not None:
-                scales = torch.cat([getattr(self, "s" + n[1]), lin.scale[None]])
-                setattr(self, "s" + n[1], scales)
-                lin.qweight, lin.scale = stack[-1], scales[-1]
-            else:
-                lin.weight = nn.Parameter(stack[-1], requires_grad=False)
+                setattr(self, "s" + n[1], torch.cat([getattr(self, "s" + n[1]), lin.scale[None]]))
+            hold_view(lin, stack[-1], None if self.fp8 is None else getattr(self, "s" + n[1])[-1])
         self.n_shared = 1
         return True
 
