@@ -1269,7 +1269,10 @@ class Engine:
         """Read a launched step's tokens into its sequences that are still running (one may have ended on the
         step before it, which was read after this one launched)."""
         seqs, handle = step
-        tok, lp, routing = self.runner.fetch_wait(handle)
+        self._advance(seqs, *self.runner.fetch_wait(handle), running)
+
+    def _advance(self, seqs: list[Sequence], tok, lp, routing, running: list[Sequence]):
+        """One step's tokens, log-probs and routing rows (host arrays by row) into its sequences still running."""
         live = [i for i, s in enumerate(seqs) if s.finish is None]
         for i in live:
             seqs[i].routing.append(routing[i:i + 1])
@@ -1308,11 +1311,8 @@ class Engine:
             tok, lp, routing = self.runner.fetch(out["tok"], out["lp"], out["routing"])
         else:
             (routing,) = self.runner.fetch(out["routing"])
-            tok, lp = self._draw(seqs, out["logits"])
-        for i, s in enumerate(seqs):
-            s.routing.append(routing[i:i + 1])
-            s.fed += 1
-        self._take(seqs, tok.tolist(), lp.tolist(), running, decoding=True)
+            tok, lp = (t.cpu().numpy() for t in self._draw(seqs, out["logits"]))
+        self._advance(seqs, tok, lp, routing, running)
 
     def _draw(self, seqs: list[Sequence], logits):
         return sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])

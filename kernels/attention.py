@@ -220,14 +220,14 @@ if triton is not None:
         tl.store(OUT + b * S + rs, tot, mask=rs < S)
 
 
-def index_scores(qi, wi, pool, table, count, S: int, block_s: int | None = None):
+def index_scores(qi, wi, pool, table, count, S: int):
     B, nh, d = qi.shape
     if not use_triton(qi) or d < 16 or d & (d - 1):
         return index_scores_ref(qi, wi, pool, table, count, S)
     out = torch.empty(B, S, dtype=torch.float32, device=qi.device)
     # entries a program: 16 for a few rows (H200, 1,024-entry tables, 192 filled: 6.7 us at 1 row, 12.4 with 64),
     # 64 from 16 rows on (12.9 vs 16.6 us at 16 rows, 30.5 vs 42.1 at 64)
-    bs = block_s or (16 if B < 4 else 64)
+    bs = 16 if B < 4 else 64
     _index_scores_kernel[(B, triton.cdiv(S, bs))](
         qi.contiguous(), wi.contiguous(), pool, table, count, out, S, table.shape[1], d ** -0.5, NH=nh,
         D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)

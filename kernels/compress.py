@@ -27,9 +27,9 @@ if triton is not None:
 
     @triton.jit
     def _compress_decode_kernel(KV, GATE, POS, SLOTS, TABLE, BK, BG, PK, PG, POOL, APE, NW, COS, SIN, COUNT, eps,
-                                max_blocks, stride_kv, stride_gate, R: tl.constexpr, WIDTH: tl.constexpr, HD: tl.constexpr,
-                                RD: tl.constexpr, BE: tl.constexpr, OVERLAP: tl.constexpr, BW: tl.constexpr,
-                                BR: tl.constexpr, HALF: tl.constexpr):
+                                max_blocks, stride_kv, stride_gate, R: tl.constexpr, WIDTH: tl.constexpr,
+                                HD: tl.constexpr, RD: tl.constexpr, BE: tl.constexpr, OVERLAP: tl.constexpr,
+                                BW: tl.constexpr, BR: tl.constexpr, HALF: tl.constexpr):
         b = tl.program_id(0)
         slot = tl.load(SLOTS + b).to(tl.int64)
         p = tl.load(POS + b)
