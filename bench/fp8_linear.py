@@ -1,11 +1,15 @@
-"""FP8 linear at the decode path's shapes: act_quant + fp8_gemm at tile widths 16-128 (the heuristic's pick
-marked), the small-M split kernel (fp8_linear_split) at tile widths 16-64 and 1-4 K blocks a program, and cuBLAS
-BF16 (torch.nn.functional.linear) on the same GPU.
+"""FP8 linears and grouped experts at the decode path's shapes, on one GPU: each configuration's time per call.
 
-    python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256
+    python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256 [--sweep] [--moe]
 
-Per shape: microseconds per call under a CUDA graph (20 calls captured, replayed), and the weight bandwidth
-that implies (weight bytes read / time: 1 a weight for FP8, 2 for BF16)."""
+Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a's grouped product, wo_b):
+cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), and fp8_linear_fused (one launch)
+at its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program). --moe: fused_moe, FP8 and BF16,
+at its default tiles and (with --sweep) others, the k + shared experts of mini's routing.
+
+Each call reads its weights from HBM, not L2: the CUDA graph that is timed cycles through enough copies of the
+weights to exceed the L2 (graph of R calls, replayed; us per call = time / R). Weight GB/s = weight bytes / time
+(1 a weight for FP8, 2 for BF16; experts: the ones the batch routes to)."""
 from __future__ import annotations
 
 import argparse
@@ -15,22 +19,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fp8_gemm import _gemm_blocks, _split_blocks, act_quant, fp8_gemm, fp8_linear_split  # noqa: E402
+from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused  # noqa: E402
+from kernels.moe import _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from model.config import load_yaml  # noqa: E402
 
+L2_BYTES = 256 << 20  # the weights a timed graph cycles through: well past any GPU's L2
 
-def graph_us(fn, reps: int = 20, iters: int = 20) -> float:
+
+def graph_us(fns, iters: int = 10) -> float:
+    """Microseconds per call of fns (a list of no-argument callables, one per weight copy) under a CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        for f in fns:
+            f()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+        for f in fns:
+            f()
     g.replay()
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -39,39 +48,107 @@ def graph_us(fn, reps: int = 20, iters: int = 20) -> float:
         g.replay()
     t1.record()
     torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / (reps * iters)
+    return t0.elapsed_time(t1) * 1e3 / (len(fns) * iters)
+
+
+def copies(nbytes: int) -> int:
+    return max(4, min(256, -(-L2_BYTES // nbytes)))
+
+
+def linears(c: ModelConfig, batches, sweep: bool):
+    D, G = c.hidden_size, c.o_groups
+    shapes = {"wq_a+wkv": (c.q_lora_rank + c.head_dim, D, 1), "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank, 1),
+              "index wq_b": (c.index_n_heads * c.index_head_dim, c.q_lora_rank, 1),
+              "wo_a": (G * c.o_lora_rank, c.num_attention_heads * c.head_dim // G, G),
+              "wo_b": (D, G * c.o_lora_rank, 1)}
+    f8 = fp8_dtype("cuda")
+    best = {}
+    for M in batches:
+        for name, (N, K, g) in shapes.items():
+            R = copies(N * K)
+            w = [torch.randn(N, K, device="cuda") * 0.02 for _ in range(R)]
+            q = [quant_fp8_block(t, f8, scale_fmt="fp32") for t in w]
+            wb = [t.bfloat16() for t in w]
+            del w
+            x = torch.randn(M, g * K, device="cuda", dtype=torch.bfloat16)
+            xg = x.view(M, g, K)
+            row = {"bf16 cuBLAS": graph_us([lambda t=t: torch.einsum("mgk,gnk->mgn", xg, t.view(g, N // g, K))
+                                            if g > 1 else torch.nn.functional.linear(x, t) for t in wb])}
+            row["act_quant+gemm"] = graph_us([lambda t=t: fp8_gemm(*act_quant(x, f8), *t, groups=g) for t in q])
+            row["fused"] = graph_us([lambda t=t: fp8_linear_fused(x, *t, groups=g) for t in q])
+            bm = _fused_blocks(M, N // g, K, g)[0]
+            if sweep:
+                for bn in (16, 32, 64, 128):
+                    for ks in (1, 2, 4, 8, 16):
+                        if ks <= K // 128:
+                            row[f"fused {bn}/{ks}"] = graph_us(
+                                [lambda t=t: fp8_linear_fused(x, *t, groups=g, blocks=(bm, bn, ks)) for t in q])
+            del q, wb
+            torch.cuda.empty_cache()
+            top = min((v, k) for k, v in row.items() if k.startswith("fused "))[1] if sweep else "fused"
+            best[(M, name)] = (top, row[top], row["bf16 cuBLAS"], row["act_quant+gemm"], row["fused"])
+            cells = "  ".join(f"{k} {v:.1f}" for k, v in row.items())
+            print(f"M {M:4d} {name:10s} N {N:5d} K {K:5d} G {g}  us/call  {cells}", flush=True)
+    print("\nsummary, us per call (FP8 weight GB/s):")
+    for (M, name), (top, t, tb, t2, tf) in best.items():
+        N, K, g = shapes[name]
+        print(f"M {M:4d} {name:10s} cuBLAS bf16 {tb:5.1f} ({2 * N * K / tb / 1e3:4.0f})  act_quant+gemm {t2:5.1f}"
+              f" ({N * K / t2 / 1e3:4.0f})  fused default {tf:5.1f} ({N * K / tf / 1e3:4.0f})  best {top} {t:5.1f}"
+              f" ({N * K / t / 1e3:4.0f})", flush=True)
+
+
+def experts(c: ModelConfig, batches, sweep: bool):
+    E, k, D, I = c.n_routed_experts + c.n_shared_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    f8 = fp8_dtype("cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    for fp8 in (True, False):
+        per_layer = E * 3 * I * D * (1 if fp8 else 2)
+        R = max(2, -(-L2_BYTES // per_layer))
+        layers = []
+        for _ in range(R):
+            w = [torch.randn(E, I, D, device="cuda") * 0.02, torch.randn(E, D, I, device="cuda") * 0.02,
+                 torch.randn(E, I, D, device="cuda") * 0.02]
+            if fp8:
+                q = [quant_fp8_block(t, f8, scale_fmt="fp32") for t in w]
+                layers.append((q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1]))
+            else:
+                layers.append(tuple(t.bfloat16() for t in w))
+            del w
+        for M in batches:
+            x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(M, E - c.n_shared_experts, device="cuda", generator=gen).argsort(-1)[:, :k]
+            wt = torch.rand(M, k, device="cuda", generator=gen)
+            hit = int(ids.unique().numel()) + c.n_shared_experts
+            nbytes = hit * 3 * I * D * (1 if fp8 else 2)
+            default = _moe_tiles(M)
+            grid = [default]
+            if sweep:
+                grid += [((bn, nw, ns), (bn2, nw2, ns2)) for bn in (32, 64, 128) for nw, ns in ((4, 3), (4, 4), (8, 3))
+                         for bn2, nw2, ns2 in ((bn, nw, ns),)]
+            row = {}
+            for tiles in grid:
+                row[str(tiles)] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts,
+                                                                  tiles=tiles) for a in layers])
+            cells = "  ".join(f"{t} {v:.1f} ({nbytes / v / 1e3:.0f})" for t, v in row.items())
+            print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB): us/call (GB/s)"
+                  f"  {cells}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/mini.yaml")
     ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--sweep", action="store_true", help="time every tile shape, not only the defaults")
+    ap.add_argument("--moe", action="store_true", help="also the grouped expert kernels")
     args = ap.parse_args()
     c = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
-    D = c.hidden_size
-    shapes = {"wq_a": (c.q_lora_rank, D), "wq_b": (c.num_attention_heads * c.head_dim, c.q_lora_rank),
-              "wkv": (c.head_dim, D), "wo_b": (D, c.o_groups * c.o_lora_rank),
-              "shared w1": (c.moe_intermediate_size, D), "shared w2": (D, c.moe_intermediate_size),
-              "csa compressor": (2 * c.head_dim, D)}
-    f8 = fp8_dtype("cuda")
-    print(f"{torch.cuda.get_device_name()}: us per call (weight GB/s)")
-    for M in [int(b) for b in args.batches.split(",")]:
-        for name, (N, K) in shapes.items():
-            w = torch.randn(N, K, device="cuda") * 0.02
-            wq, ws = quant_fp8_block(w, f8, scale_fmt="fp32")
-            wb = w.bfloat16()
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            row = {"bf16 cuBLAS": graph_us(lambda: torch.nn.functional.linear(x, wb))}
-            bm, bn0 = _gemm_blocks(M, N)
-            for bn in (16, 32, 64, 128):
-                row[f"fp8 bn{bn}"] = graph_us(lambda: fp8_gemm(*act_quant(x, f8), wq, ws, blocks=(bm, bn)))
-            for bn in (16, 32, 64):
-                for ks in (1, 2, 4):
-                    row[f"split bn{bn} ks{ks}"] = graph_us(lambda: fp8_linear_split(x, wq, ws, blocks=(bn, ks)))
-            cells = "  ".join(f"{k} {v:6.1f} ({N * K * (2 if k.startswith('bf16') else 1) / v / 1e3:5.0f})"
-                              for k, v in row.items())
-            print(f"M {M:4d} {name:15s} N {N:5d} K {K:5d} (heuristic bn {bn0}, split {_split_blocks(N)}):"
-                  f" {cells}", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{torch.cuda.get_device_name()}, {args.config}")
+    linears(c, batches, args.sweep)
+    if args.moe:
+        experts(c, batches, args.sweep)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ def act_quant_ref(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torc
 
 if triton is not None:
     @triton.jit
+    def tile_quant(x, fmax, fp8: tl.constexpr):
+        """Rows of one 1x128 activation tile -> (fp8 values, fp32 scales): act_quant's arithmetic, for the GEMM
+        kernels that quantize their own activation tiles."""
+        x = x.to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
+        return tl.clamp(x / s[:, None], -fmax, fmax).to(fp8), s
+
+    @triton.jit
     def _act_quant_kernel(X, Q, S, stride_x, fmax, BLOCK_K: tl.constexpr):
         m, kb = tl.program_id(0), tl.program_id(1)
         offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -191,64 +199,90 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
 
 if triton is not None:
     @triton.jit
-    def _fp8_split_kernel(X, W, SW, PART, M, N, stride_x, stride_w, fmax, K: tl.constexpr, KS: tl.constexpr,
-                          MB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Small-M FP8 linear, split over K: program (n, s, g) quantizes x's 1x128 tiles of K blocks
-        [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and writes that range's partial product
-        PART[s, :, g*N + n-tile] in fp32; _sum_parts_kernel adds the partials in order."""
-        pid_n, sp, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _fp8_linear_kernel(X, W, SW, Y, PART, CNT, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr,
+                           KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """Decode-size FP8 linear in one launch: program (n tile, K range s, group g x row tile) quantizes x's
+        1x128 tiles of K blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the
+        weight tiles. SPLIT == 1: it stores its tile. Else it stores the range's fp32 partial in PART[s], and the
+        last of the tile's SPLIT programs to finish (a ticket counter, reset to 0 after) adds the partials in
+        range order and stores the tile: the same sum whichever program finishes last."""
+        pid_n, sp, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        mt = tl.cdiv(M, BLOCK_M)
+        g, pid_m = pid_mg // mt, pid_mg % mt
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        mn = rn < N
+        mm, mn = rm < M, rn < N
         nkb: tl.constexpr = K // BLOCK_K
         wrow = g * N + rn
-        GN = tl.num_programs(2) * N
-        for mb in range(MB):  # the row blocks (MB = cdiv(M, BLOCK_M)), each weight tile loaded once per block
-            rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            mm = rm < M
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(KS):
-                kb = sp * KS + j
-                w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
-                sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
-                x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None],
-                            other=0.0).to(tl.float32)
-                sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
-                q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty)
-                acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
-            tl.store(PART + (sp * M + rm[:, None]) * GN + g * N + rn[None, :], acc, mask=mm[:, None] & mn[None, :])
-
-    @triton.jit
-    def _sum_parts_kernel(PART, Y, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < total
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for sp in range(SPLIT):
-            acc += tl.load(PART + sp * total + i, mask=m, other=0.0)
-        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=m)
-
-
-def use_split(M: int, K: int) -> bool:
-    """Whether fp8_linear takes the split kernel: up to 16 rows with K >= 1024, where bench/fp8_linear.py
-    measured it fastest on an H200 (M = 1-16: 4.4-5.8 us against 5.0-7.3 us for act_quant + fp8_gemm; at
-    M = 64, and for K = 512 with N = 8192, the two-launch path wins)."""
-    return M <= 16 and K >= 1024
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(KS):
+            kb = sp * KS + j
+            w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
+            sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
+            x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None], other=0.0)
+            q, sx = tile_quant(x, fmax, W.dtype.element_ty)
+            acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
+        out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
+        mask = mm[:, None] & mn[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+        else:
+            GN = tl.num_programs(2) // mt * N
+            part = PART + rm[:, None] * GN + g * N + rn[None, :]
+            tl.store(part + sp * M * GN, acc, mask=mask)
+            tl.debug_barrier()  # the whole partial is written before the ticket is taken
+            tile = pid_mg * tl.num_programs(0) + pid_n
+            if tl.atomic_add(CNT + tile, 1) == SPLIT - 1:  # acq_rel: the other ranges' partials are visible
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT):
+                    acc += tl.load(part + s * M * GN, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+                tl.store(CNT + tile, 0)
 
 
-def _split_blocks(N: int) -> tuple[int, int]:
-    """(BLOCK_N, K blocks per program) of the split kernel: the widths that measured fastest."""
-    return (64 if N >= 1024 else 32), 2
+_COUNTERS: dict = {}
 
 
-def fp8_linear_split(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1, blocks=None):
-    """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype: fp8_linear's numerics (1x128 activation tiles, block
-    scales, fp32 sums) in two launches with M-independent parallelism: (N tiles) x (K ranges) programs that
-    quantize their own activation tiles, then the ordered sum of the K ranges' partials."""
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """The split-K ticket counters of `device` (int32 zeros, >= n): each launch's last programs put theirs back
+    to 0, so launches in one stream share them."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return cnt
+
+
+def use_fused(M: int, K: int) -> bool:
+    """Whether fp8_linear takes the one-launch kernel rather than act_quant + fp8_gemm: up to 16 rows, or up to 64
+    with K >= 1024, where bench/fp8_linear.py measured it faster on an H200 (mini.yaml's linears, weights read from
+    HBM: 4.2-6.3 us a call at 1-16 rows against 4.7-10.4 for the two launches; at 64 rows 7.9-10.9 against
+    10.1-12.3 for K 2048, 7.1-7.8 against 5.7-6.1 for K 512; at 256 rows the two launches win)."""
+    return M <= 16 or (M <= 64 and K >= 1024)
+
+
+def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, K blocks a program) of the one-launch kernel: the fastest measured at mini's shapes
+    (bench/fp8_linear.py --sweep). Up to 16 rows: 64-wide tiles, K ranges of 2 blocks (K 512: one range); past
+    that, about 128-256 programs: 32-wide tiles and 2-block ranges, or 64 and 4 with 4 groups."""
+    nkb = K // BLOCK
+    if M <= 16:
+        return 16, (64 if N >= 1024 else 32), (2 if nkb > 4 else nkb)
+    bm = 32 if M <= 32 else 64
+    return (bm, 64, 4) if groups > 1 else (bm, 32, 2)
+
+
+def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1, blocks=None,
+                     num_warps: int = 4, num_stages: int = 3):
+    """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype, in one launch (_fp8_linear_kernel): fp8_linear's numerics
+    (1x128 activation tiles, block scales, fp32 sums), with the K blocks split over programs. blocks: (BLOCK_M,
+    BLOCK_N, K blocks a program)."""
     M, GK = x2.shape
     GN, K = wq.shape
     N = GN // groups
     nkb = K // BLOCK
-    bn, ks = blocks or _split_blocks(N)
+    bm, bn, ks = blocks or _fused_blocks(M, N, K, groups)
     ks = max(1, min(ks, nkb))
     while nkb % ks:
         ks -= 1
@@ -256,11 +290,12 @@ def fp8_linear_split(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
     y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
     if M:
         x2 = x2.contiguous()
-        part = torch.empty(split, M, GN, dtype=torch.float32, device=x2.device)
-        _fp8_split_kernel[(triton.cdiv(N, bn), split, groups)](
-            x2, wq, sw.contiguous(), part, M, N, x2.stride(0), wq.stride(0), fp8_max(wq.dtype), K=K, KS=ks,
-            MB=triton.cdiv(M, 16), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4)
-        _sum_parts_kernel[(triton.cdiv(M * GN, 1024),)](part, y, M * GN, SPLIT=split, BLOCK=1024, num_warps=4)
+        grid = (triton.cdiv(N, bn), split, groups * triton.cdiv(M, bm))
+        part = torch.empty(split, M, GN, dtype=torch.float32, device=x2.device) if split > 1 else y
+        cnt = _tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
+        _fp8_linear_kernel[grid](x2, wq, sw.contiguous(), y, part, cnt, M, N, x2.stride(0), wq.stride(0), y.stride(0),
+                                 fp8_max(wq.dtype), K=K, KS=ks, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+                                 num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -271,8 +306,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
     if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
         from .quant import dequant_fp8_block
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
-    if use_split(*x2.shape) and use_triton(x2):
-        return fp8_linear_split(x2, wq, sw).view(*shape[:-1], wq.shape[0])
+    if use_fused(*x2.shape) and use_triton(x2):
+        return fp8_linear_fused(x2, wq, sw).view(*shape[:-1], wq.shape[0])
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
 
@@ -287,7 +322,7 @@ def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fuse
         return torch.stack([fp8_linear(x[..., g, :], wq[g * rows:(g + 1) * rows], sw[g * r:(g + 1) * r])
                             for g in range(G)], dim=-2)
     x2 = x.reshape(-1, G * Kg)
-    if use_split(x2.shape[0], Kg) and use_triton(x2):
-        return fp8_linear_split(x2, wq, sw, groups=G).view(*x.shape[:-1], rows)
+    if use_fused(x2.shape[0], Kg) and use_triton(x2):
+        return fp8_linear_fused(x2, wq, sw, groups=G).view(*x.shape[:-1], rows)
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype, groups=G).view(*x.shape[:-1], rows)

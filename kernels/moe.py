@@ -71,19 +71,22 @@ if triton is not None:
         return tl.where(j < KR, e, E1 - 1 - KT + j)
 
     @triton.jit
-    def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1, BM: tl.constexpr, NE: tl.constexpr, C: tl.constexpr,
+    def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr, C: tl.constexpr,
                           KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr, NB_C: tl.constexpr,
                           DYNAMIC: tl.constexpr):
-        """One program: per-expert counts (one-hot sums over chunks of C slots), padded offsets, then each slot's
-        destination = its expert's start + its rank among that expert's slots (stable: slot order), and each
-        row block's expert (how many experts end at or before the block's first row). DYNAMIC: sizes as runtime
-        values (GPU); else the constexpr copies (the interpreter loops over Python ints only)."""
+        """Program e of E1 (one an expert): every program counts all experts' slots (one-hot sums over chunks of C
+        slots) for the padded offsets; program e then places its expert's slots in slot order (a running cumsum
+        of "mine" over the chunks) and pads its own rows; the row blocks' experts (how many experts end at or
+        before a block's first row) and the rows past the last block are shared out in chunks, program e taking
+        chunks e, e + E1, ... DYNAMIC: sizes as runtime values (GPU); else the constexpr copies (the interpreter
+        loops over Python ints only)."""
         if DYNAMIC:
             S = S_rt
             nb = nb_rt
         else:
             S: tl.constexpr = S_C
             nb: tl.constexpr = NB_C
+        me = tl.program_id(0)
         e_ar = tl.arange(0, NE)
         ii = tl.arange(0, C)
         counts = tl.zeros((NE,), tl.int32)
@@ -94,23 +97,27 @@ if triton is not None:
         padded = (counts + BM - 1) // BM * BM
         ends = tl.cumsum(padded, 0)
         total = tl.sum(padded, 0)
-        for o in range(0, nb * BM, C):
-            tl.store(SLOTS + o + ii, tl.full((C,), 0, tl.int64) + S, mask=o + ii < nb * BM)
-        tl.debug_barrier()  # the padding is in place before any slot lands
-        run = ends - padded  # next free row of each expert
+        mine = e_ar == me
+        start = tl.sum(tl.where(mine, ends - padded, 0), 0)
+        count = tl.sum(tl.where(mine, counts, 0), 0)
+        pad = tl.arange(0, BM)  # this expert's padding rows, after its slots
+        tl.store(SLOTS + start + count + pad, tl.full((BM,), 0, tl.int64) + S,
+                 mask=pad < tl.sum(tl.where(mine, padded, 0), 0) - count)
+        run = start
         for c0 in range(0, S, C):
             m = c0 + ii < S
-            e = _slot_expert(IDS, c0 + ii, m, E1, KR, KT)
-            onehot = ((e[:, None] == e_ar[None, :]) & m[:, None]).to(tl.int32)
-            base = tl.sum(onehot * run[None, :], 1)
-            rank = tl.sum(((e[:, None] == e[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), 1)
-            tl.store(SLOTS + base + rank, (c0 + ii).to(tl.int64), mask=m)
-            run += tl.sum(onehot, 0)
-        for b0 in range(0, nb, C):
-            st = (b0 + ii) * BM
+            hit = ((_slot_expert(IDS, c0 + ii, m, E1, KR, KT) == me) & m).to(tl.int32)
+            tl.store(SLOTS + run + tl.cumsum(hit, 0) - 1, (c0 + ii).to(tl.int64), mask=hit != 0)
+            run += tl.sum(hit, 0)
+        for o in range(0, nb * BM, C * E1):  # rows past the last block: padding
+            r = o + me * C + ii
+            tl.store(SLOTS + r, tl.full((C,), 0, tl.int64) + S, mask=(r >= total) & (r < nb * BM))
+        for b0 in range(0, nb, C * E1):
+            b = b0 + me * C + ii
+            st = b * BM
             be = tl.sum(((ends[None, :] <= st[:, None]) & (e_ar[None, :] < E1)).to(tl.int32), 1)
             be = tl.where((st < total) & (be != E1 - 1), be, -1)  # past the last block, or "not here"
-            tl.store(BEXP + b0 + ii, be.to(tl.int64), mask=b0 + ii < nb)
+            tl.store(BEXP + b, be.to(tl.int64), mask=b < nb)
 
 
 def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int):
@@ -122,12 +129,15 @@ def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int
     bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
     ne = pow2(n_experts)
     dyn = ids.is_cuda
-    # chunk and warps: the fastest of C 64/128/256 x 4/8/16 warps on an H200 at 1-256 tokens (k 6 + 1 shared, 33
-    # experts): 4.8 us at 1 token, 20.5 at 64 (C 128 and 4 warps: 8.3, 23.4)
-    _moe_align_kernel[(1,)](flat, slots, bexp, S, nb, n_experts, BM=block_m, NE=ne, C=max(16, min(64, 8192 // ne)),
-                            KR=k, KT=k + n_shared, S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn,
-                            num_warps=16)
+    _moe_align_kernel[(n_experts,)](flat, slots, bexp, S, nb, E1=n_experts, BM=block_m, NE=ne, C=ALIGN_CHUNK,
+                                    KR=k, KT=k + n_shared, S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn,
+                                    num_warps=ALIGN_WARPS)
     return slots, bexp
+
+
+# the fastest of C 32/64/128 x 1/2/4/8 warps on an H200 (k 6 + 1 shared, 33 experts): 4.0 / 8.2 / 17.4 us at
+# 1 / 64 / 256 tokens (the one-program kernel before it: 4.8 / 20.5 / 76.4)
+ALIGN_CHUNK, ALIGN_WARPS = 128, 4
 
 
 def swiglu(g, u, limit: float):
@@ -262,7 +272,16 @@ if triton is not None:
         tl.store(OUT + t * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
 
 
-def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0):
+def _moe_tiles(T: int):
+    """((BLOCK_N, warps, stages) of the up kernel, the same of the down kernel) for T tokens: the fastest of 32 /
+    64 / 128-wide tiles in the engine's decode steps on an H200 (mini.yaml; up and down kernels a step, FP8):
+    at 1 token up 32 (176 us; 64-wide 210), down 64 (109; 32-wide 114); at 64 tokens 64 and 64 (508 + 282 us;
+    32-wide 570 + 329, 128-wide 505 + 293). BF16 at 64 tokens: 1,345 us against 1,385 for 32-wide."""
+    return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
+
+
+def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
+              tiles=None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each."""
     T, D = x.shape
@@ -279,20 +298,20 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         xq, sx = act_quant(x, w1.dtype)
     else:
         xq, sx = x, x  # unused scale operand
+    (bn, nw, ns), (bn2, nw2, ns2) = tiles or _moe_tiles(T)
     h = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
-    bn = 64 if I >= 4096 else 32
     _moe_up_kernel[(nb, triton.cdiv(I, bn))](
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, slots, bexp, T * kt, xq.stride(0), limit,
-        K=D, I=I, TOPK=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+        K=D, I=I, TOPK=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=nw, num_stages=ns)
     if scaled:
         hq, sh = act_quant(h, w2.dtype)
     else:
         hq, sh = h, h
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    bn = 64 if D >= 4096 else 32
-    _moe_down_kernel[(nb, triton.cdiv(D, bn))](
+    _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
-        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=3)
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
+        num_stages=ns2)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
         bd = min(1024, pow2(D))

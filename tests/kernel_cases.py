@@ -68,7 +68,7 @@ def sample_case(device, B: int, V: int, seed: int = 0) -> tuple[int, float]:
 
 def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0,
                    n_shared: int = 0) -> bool:
-    """kernels.moe.moe_align's one-program kernel against its torch twin (fused=False), with a fraction `absent` of
+    """kernels.moe.moe_align's kernel against its torch twin (fused=False), with a fraction `absent` of
     slots routed to another rank ("not here" = n_experts) and n_shared shared experts (the last ones, every
     token's). -> whether both outputs are identical."""
     from kernels import moe

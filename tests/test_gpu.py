@@ -47,21 +47,24 @@ def test_fp8_gemm(M, N, K):
     assert rel(fp8_gemm(xq, sx, wq, ws, torch.float32), fp8_gemm_ref(xq, sx, wq, ws)) < 1e-3
 
 
-@pytest.mark.parametrize("M", [1, 5, 16, 40])
+@pytest.mark.parametrize("M", [1, 5, 16, 40, 64, 100, 256])
 @pytest.mark.parametrize("N,K,G", [(2048, 2048, 1), (8192, 512, 1), (300, 1024, 1), (2048, 2048, 4)])
-def test_fp8_linear_split(M, N, K, G):
-    """The small-M split kernel (activation tiles quantized in the GEMM, K ranges summed in order) against
-    act_quant + fp8_gemm, at each tile width and K range it may take."""
-    from kernels.fp8_gemm import fp8_linear_split
+def test_fp8_linear_fused(M, N, K, G):
+    """The one-launch kernel (activation tiles quantized in the GEMM, K ranges added by each tile's last program)
+    against act_quant + fp8_gemm, at each tile shape and K range it may take; repeated launches give the same
+    bits (the ranges are added in order whichever program finishes last) and leave the ticket counters at 0."""
+    from kernels.fp8_gemm import _COUNTERS, fp8_linear_fused
     f8 = fp8_dtype("cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
     wq, ws = quant_fp8_block(torch.randn(N, K // G, device="cuda") * 0.02, f8, scale_fmt="fp32")
     want = fp8_gemm(*act_quant(x, f8), wq, ws, torch.float32, groups=G)
-    # past 16 rows fp8_gemm takes wider row tiles, whose FP8 MMA accumulates a K block at reduced precision
-    tol = 1e-5 if M <= 16 else 1e-3
-    for blocks in (None, (16, 1), (32, 2), (64, 4), (32, 3)):
-        got = fp8_linear_split(x.float(), wq, ws, groups=G, blocks=blocks)
-        assert rel(got, want) < tol, blocks
+    for blocks in (None, (16, 32, 1), (32, 64, 2), (64, 16, 4), (16, 32, 3), (64, 64, 16), (16, 128, 1)):
+        got = fp8_linear_fused(x.float(), wq, ws, groups=G, blocks=blocks)
+        # Hopper's FP8 MMA accumulates a K block at reduced precision; tile shapes differ in how
+        assert rel(got, want) < 1e-3, blocks
+        again = torch.stack([fp8_linear_fused(x.float(), wq, ws, groups=G, blocks=blocks) for _ in range(50)])
+        assert torch.equal(again, got.expand_as(again)), blocks
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("M", [1, 16, 100, 256])
@@ -239,7 +242,8 @@ def test_compress_decode(ratio, overlap, hd, rd, dtype):
 
 
 @pytest.mark.parametrize("T,k,E,absent,n_shared", [(1, 6, 32, 0, 0), (64, 6, 32, 0, 0), (256, 6, 32, 0.25, 0),
-                                                   (512, 8, 256, 0.5, 0), (3000, 6, 32, 0, 0), (0, 6, 32, 0, 0),
+                                                   (512, 8, 256, 0.5, 0), (3000, 6, 32, 0, 0), (6000, 6, 32, 0, 0),
+                                                   (0, 6, 32, 0, 0),
                                                    (1, 6, 33, 0, 1), (256, 6, 33, 0, 1), (100, 2, 7, 0.2, 2)])
 def test_moe_align_kernel(T, k, E, absent, n_shared):
     from tests.kernel_cases import moe_align_case
