@@ -47,14 +47,6 @@ def act_quant_ref(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torc
 
 if triton is not None:
     @triton.jit
-    def tile_quant(x, fmax, fp8: tl.constexpr):
-        """Rows of one 1x128 activation tile -> (fp8 values, fp32 scales): act_quant's arithmetic, for the GEMM
-        kernels that quantize their own activation tiles."""
-        x = x.to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
-        return tl.clamp(x / s[:, None], -fmax, fmax).to(fp8), s
-
-    @triton.jit
     def _act_quant_kernel(X, Q, S, stride_x, fmax, BLOCK_K: tl.constexpr):
         m, kb = tl.program_id(0), tl.program_id(1)
         offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -221,8 +213,10 @@ if triton is not None:
             kb = sp * KS + j
             w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
             sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
-            x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None], other=0.0)
-            q, sx = tile_quant(x, fmax, W.dtype.element_ty)
+            x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None],
+                        other=0.0).to(tl.float32)
+            sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
+            q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty)
             acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
         out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
         mask = mm[:, None] & mn[None, :]
@@ -273,8 +267,7 @@ def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
     return (bm, 64, 4) if groups > 1 else (bm, 32, 2)
 
 
-def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1, blocks=None,
-                     num_warps: int = 4, num_stages: int = 3):
+def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1, blocks=None):
     """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype, in one launch (_fp8_linear_kernel): fp8_linear's numerics
     (1x128 activation tiles, block scales, fp32 sums), with the K blocks split over programs. blocks: (BLOCK_M,
     BLOCK_N, K blocks a program)."""
@@ -295,7 +288,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
         cnt = _tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
         _fp8_linear_kernel[grid](x2, wq, sw.contiguous(), y, part, cnt, M, N, x2.stride(0), wq.stride(0), y.stride(0),
                                  fp8_max(wq.dtype), K=K, KS=ks, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-                                 num_warps=num_warps, num_stages=num_stages)
+                                 num_warps=4, num_stages=3)
     return y
 
 

@@ -71,8 +71,8 @@ if triton is not None:
         return tl.where(j < KR, e, E1 - 1 - KT + j)
 
     @triton.jit
-    def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr, C: tl.constexpr,
-                          KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr, NB_C: tl.constexpr,
+    def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr,
+                          C: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr, NB_C: tl.constexpr,
                           DYNAMIC: tl.constexpr):
         """Program e of E1 (one an expert): every program counts all experts' slots (one-hot sums over chunks of C
         slots) for the padded offsets; program e then places its expert's slots in slot order (a running cumsum
@@ -120,6 +120,11 @@ if triton is not None:
             tl.store(BEXP + b, be.to(tl.int64), mask=b < nb)
 
 
+# the fastest of C 32/64/128 x 1/2/4/8 warps on an H200 (k 6 + 1 shared, 33 experts): 4.0 / 8.2 / 17.4 us at
+# 1 / 64 / 256 tokens (the one-program kernel before it: 4.8 / 20.5 / 76.4)
+ALIGN_CHUNK, ALIGN_WARPS = 128, 4
+
+
 def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int):
     flat = ids.reshape(-1).contiguous()
     k = ids.shape[1]
@@ -133,11 +138,6 @@ def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int
                                     KR=k, KT=k + n_shared, S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn,
                                     num_warps=ALIGN_WARPS)
     return slots, bexp
-
-
-# the fastest of C 32/64/128 x 1/2/4/8 warps on an H200 (k 6 + 1 shared, 33 experts): 4.0 / 8.2 / 17.4 us at
-# 1 / 64 / 256 tokens (the one-program kernel before it: 4.8 / 20.5 / 76.4)
-ALIGN_CHUNK, ALIGN_WARPS = 128, 4
 
 
 def swiglu(g, u, limit: float):
