@@ -117,11 +117,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
     filtered = any(p.filtered for p in params)
-    if fused and use_triton(logits) and not filtered:
-        return gumbel_sample(logits.float(), temps, torch.tensor(seeds, device=dev, dtype=torch.int64),
-                             torch.tensor(steps, device=dev, dtype=torch.int64))
     seeds = torch.tensor(seeds, device=dev, dtype=torch.int64)
     steps = torch.tensor(steps, device=dev, dtype=torch.int64)
+    if fused and use_triton(logits) and not filtered:
+        return gumbel_sample(logits.float(), temps, seeds, steps)
     if not filtered:
         return sample_plain(logits, temps, seeds, steps)
     greedy = temps == 0

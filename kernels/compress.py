@@ -40,7 +40,8 @@ if triton is not None:
             rw = w0 + tl.arange(0, BW)
             mw = rw < WIDTH
             tl.store(BK + row * WIDTH + rw, tl.load(KV + b * stride_kv + rw, mask=mw).to(tl.float32), mask=mw)
-            g = tl.load(GATE + b * stride_gate + rw, mask=mw).to(tl.float32) + tl.load(APE + (p % R) * WIDTH + rw, mask=mw)
+            g = tl.load(GATE + b * stride_gate + rw, mask=mw).to(tl.float32) + \
+                tl.load(APE + (p % R) * WIDTH + rw, mask=mw)
             tl.store(BG + row * WIDTH + rw, g, mask=mw)
         if (p + 1) % R == 0:
             tl.debug_barrier()  # the row just stored is read back by other threads of this program
