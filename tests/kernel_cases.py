@@ -17,13 +17,15 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
     comp.ape.data = torch.randn(comp.ape.shape, generator=g)
     comp = comp.to(device)
     width = 2 * hd if overlap else hd
-    S, BE, n_blocks = 8, 2, 24
+    S, BE, n_blocks = 8, 2, 32
     r = ratio
     # done with no previous window, done with one, mid-window, done later, a scratch-slot row at position 0
     pos = torch.tensor([r - 1, 2 * r - 1, 2 * r + 1, 4 * r - 1, 0, 3 * r - 1])
     slots = torch.tensor([0, 3, 1, 5, S - 1, 2])
     B = len(pos)
-    table = torch.stack([torch.randperm(n_blocks - 1, generator=g)[:4] + 1 for _ in range(B)])
+    # distinct blocks for every sequence, as the engine's allocator gives them (two sequences writing one entry
+    # would leave whichever wrote last)
+    table = (torch.randperm(n_blocks - 1, generator=g)[:4 * B] + 1).view(B, 4)
     kv, gate = torch.randn(B, width, generator=g).to(in_dtype), torch.randn(B, width, generator=g).to(in_dtype)
     state = [torch.randn(S, r, width, generator=g), torch.randn(S, r, width, generator=g)]
     state += [torch.randn(S, r, hd, generator=g), torch.randn(S, r, hd, generator=g)] if overlap else [None, None]
