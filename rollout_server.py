@@ -460,9 +460,9 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     routing = []
     for li, blk in enumerate(model.layers):
         h, post, comb = blk.hc("attn", x)
-        x = hc_post(attention(li, blk.attn, blk.attn_norm(h), tables), x, post, comb)
+        x = hc_post(attention(li, blk.attn, h, tables), x, post, comb)
         h, post, comb = blk.hc("ffn", x)
-        y, idx = blk.ffn(blk.ffn_norm(h), ids[None])
+        y, idx = blk.ffn(h, ids[None])
         x = hc_post(y, x, post, comb)
         routing.append(idx[0])
     return x, torch.stack(routing, 1)
@@ -470,7 +470,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
 
 def head_logits(model: Transformer, x_last):
     """Final streams (B, n, D) -> logits (B, V) fp32."""
-    return model.head(model.norm(model.hc_head(x_last))).float()
+    return model.head(model.hc_head(x_last)).float()
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:

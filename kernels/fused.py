@@ -1,15 +1,17 @@
 """Fused small ops: one pass each instead of a chain of torch kernels over fp32 copies.
 
-    hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb   (a GEMV + one kernel, not ~130)
+    hc_pre(x, fn, base, scale, iters, eps, norm_eps, norm) -> collapsed [normed], post, comb   (2 kernels, not ~130)
+    hc_head(x, fn, base, scale, eps, norm_eps, norm) -> collapsed [normed]
     hc_post(out, x, post, comb) -> new streams
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
     rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
     swiglu(gate, up, limit)
 
-Each computes the same function as its twin in model/model.py (`hc_pre`, `hc_post`, `RMSNorm`, `rms_unweighted`,
-`apply_rope`'s `_rope`, `_swiglu`). rms_norm, rope and swiglu have backward kernels (autograd Functions), so the
-model uses them wherever Triton runs (`use_triton`: GPUs, or the interpreter in tests), training included. The
-hyper-connection kernels are forward-only: the model calls them when `fused_ok(x)`, in inference mode.
+Each computes the same function as its twin in model/model.py (`hc_pre`, `Transformer.hc_head`, `hc_post`,
+`RMSNorm`, `rms_unweighted`, `apply_rope`'s `_rope`, `_swiglu`). rms_norm, rope and swiglu have backward kernels
+(autograd Functions), so the model uses them wherever Triton runs (`use_triton`: GPUs, or the interpreter in
+tests), training included. The hyper-connection kernels are forward-only: the model calls them when `fused_ok(x)`,
+in inference mode; there hc_pre and hc_head also apply the RMSNorm that follows them.
 """
 from __future__ import annotations
 
@@ -35,21 +37,29 @@ def fused_ok(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _hc_mix_kernel(X, FN, PART, M, F: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
-                       SPLIT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                       SPLIT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                       SSQ: tl.constexpr):
         """x @ fn^T for rows [BM * rb, BM * (rb + 1)) over the s-th CHUNK of columns: PART[t, s] (MIXP,) fp32
         partials, fp32 products and sums (no tensor-core rounding), in an order fixed by the constexprs alone,
-        so a row's partials do not depend on M (the batch) or on its neighbours."""
+        so a row's partials do not depend on M (the batch) or on its neighbours. SSQ: column MIXP - 1 (past
+        the MIX products) holds the chunk's sum of squares of x."""
         rb, s = tl.program_id(0), tl.program_id(1)
         rows = rb * BM + tl.arange(0, BM)
         mr = rows < M
         rm = tl.arange(0, MIXP)
         acc = tl.zeros((BM, MIXP), tl.float32)
+        ss = tl.zeros((BM,), tl.float32)
         for f0 in range(0, CHUNK, BK):
             rf = s * CHUNK + f0 + tl.arange(0, BK)
             mf = rf < F
             x = tl.load(X + rows[:, None] * F + rf[None, :], mask=mr[:, None] & mf[None, :], other=0.0)
+            x = x.to(tl.float32)
             w = tl.load(FN + rm[None, :] * F + rf[:, None], mask=(rm[None, :] < MIX) & mf[:, None], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+            acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+            if SSQ:
+                ss += tl.sum(x * x, 1)
+        if SSQ:
+            acc = tl.where(rm[None, :] == MIXP - 1, ss[:, None], acc)
         tl.store(PART + (rows[:, None] * SPLIT + s) * MIXP + rm[None, :], acc, mask=mr[:, None])
 
     @triton.jit
@@ -66,56 +76,80 @@ if triton is not None:
         return tot
 
     @triton.jit
-    def _hc_pre_kernel(X, PART, BASE, SCALE, COLL, POST, COMB, eps, norm_eps, ITERS: tl.constexpr,
+    def _collapse(X, t, pre, d0, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                  dtype: tl.constexpr):
+        """Columns [d0, d0 + BLOCK) of token t's pre-weighted sum of its N_HC streams, rounded to dtype (as fp32)."""
+        ri = tl.arange(0, NP)
+        rd = d0 + tl.arange(0, BLOCK)
+        xs = tl.load(X + t * (N_HC * D) + ri[:, None] * D + rd[None, :], mask=(ri < N_HC)[:, None] & (rd < D)[None, :],
+                     other=0.0)
+        return tl.sum(xs.to(tl.float32) * pre[:, None], 0).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, eps, norm_eps, rms_eps, ITERS: tl.constexpr,
                        N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        """One token: x @ fn^T (the SPLIT partials of _hc_mix_kernel, summed) scaled by the streams'
-        rsqrt-mean-square, then pre / post / Sinkhorn-projected comb, and the pre-weighted collapse of the streams."""
-        t = tl.program_id(0)
-        MIX: tl.constexpr = (2 + N_HC) * N_HC
-        F: tl.constexpr = N_HC * D
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):
+        """Program (token t, role). Both roles sum the SPLIT partials of _hc_mix_kernel (x @ fn^T, and the sum of
+        squares of x in column MIXP - 1) and scale them by the streams' rsqrt-mean-square. Role 0: pre and the
+        pre-weighted collapse of the streams, RMS-normed with weight NW (eps rms_eps) when NORM. Role 1: post and
+        the Sinkhorn-projected comb, so the Sinkhorn chain runs beside the collapse. HEAD: the head's collapse
+        (N_HC pre weights, one scale, no role 1)."""
+        t, role = tl.program_id(0), tl.program_id(1)
+        MIX: tl.constexpr = N_HC if HEAD else (2 + N_HC) * N_HC
         rm = tl.arange(0, MIXP)
-        ss = tl.zeros((BLOCK,), tl.float32)
-        for f0 in range(0, F, BLOCK):
-            rf = f0 + tl.arange(0, BLOCK)
-            x = tl.load(X + t * F + rf, mask=rf < F, other=0.0).to(tl.float32)
-            ss += x * x
         raw = _sum_partials(PART, t, SPLIT, MIXP, 32)
-        mix = raw * tl.rsqrt(tl.sum(ss, 0) / F + norm_eps)
+        mix = raw * tl.rsqrt(tl.sum(tl.where(rm == MIXP - 1, raw, 0.0), 0) / (N_HC * D) + norm_eps)
         b = tl.load(BASE + rm, mask=rm < MIX, other=0.0)
-        s0, s1, s2 = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
         ri = tl.arange(0, NP)
         mi = ri < N_HC
-        # pre / post: entries [0, n) and [n, 2n) of the mix vector, picked with one-hot sums
-        sel_pre = (rm[None, :] == ri[:, None]) & mi[:, None]
-        sel_post = (rm[None, :] == (ri[:, None] + N_HC)) & mi[:, None]
-        pre_raw = tl.sum(tl.where(sel_pre, mix[None, :] * s0 + b[None, :], 0.0), 1)
-        post_raw = tl.sum(tl.where(sel_post, mix[None, :] * s1 + b[None, :], 0.0), 1)
-        pre = 1.0 / (1.0 + tl.exp(-pre_raw)) + eps
-        post = 2.0 / (1.0 + tl.exp(-post_raw))
-        # comb: entries [2n, 2n + n*n) as an (n, n) matrix, row softmax, then Sinkhorn (column first)
-        rj = tl.arange(0, NP)
-        cidx = 2 * N_HC + ri[:, None] * N_HC + rj[None, :]
-        valid = mi[:, None] & (rj[None, :] < N_HC)
-        cm = tl.zeros((NP, NP), tl.float32)
-        for m in range(2 * N_HC, MIX):
-            v = tl.sum(tl.where(rm == m, mix * s2 + b, 0.0), 0)
-            cm = tl.where(cidx == m, v, cm)
-        cm = tl.where(valid, cm, float("-inf"))
-        cm = tl.exp(cm - tl.max(cm, 1)[:, None])
-        cm = tl.where(valid, cm / tl.sum(cm, 1)[:, None] + eps, 0.0)
-        cm = cm / (tl.sum(cm, 0)[None, :] + eps)
-        for _ in range(ITERS - 1):
-            cm = cm / (tl.sum(cm, 1)[:, None] + eps)
+        dt: tl.constexpr = COLL.dtype.element_ty
+        if role == 0:
+            # pre: entries [0, n) of the mix vector, picked with one-hot sums
+            sel = (rm[None, :] == ri[:, None]) & mi[:, None]
+            pre = 1.0 / (1.0 + tl.exp(-tl.sum(tl.where(sel, mix[None, :] * tl.load(SCALE) + b[None, :], 0.0), 1)))
+            pre += eps
+            if NORM and D <= BLOCK:  # the row in registers
+                c = _collapse(X, t, pre, 0, N_HC, D, NP, BLOCK, dt)
+                rd = tl.arange(0, BLOCK)
+                inv = tl.rsqrt(tl.sum(c * c, 0) / D + rms_eps)
+                w = tl.load(NW + rd, mask=rd < D, other=0.0).to(tl.float32)
+                tl.store(COLL + t * D + rd, (w * (c * inv)).to(dt), mask=rd < D)
+            else:  # the collapse in chunks, then (NORM) a second pass over what this program stored
+                ss = tl.zeros((BLOCK,), tl.float32)
+                for d0 in range(0, D, BLOCK):
+                    c = _collapse(X, t, pre, d0, N_HC, D, NP, BLOCK, dt)
+                    rd = d0 + tl.arange(0, BLOCK)
+                    tl.store(COLL + t * D + rd, c.to(dt), mask=rd < D)
+                    ss += c * c
+                if NORM:
+                    inv = tl.rsqrt(tl.sum(ss, 0) / D + rms_eps)
+                    tl.debug_barrier()
+                    for d0 in range(0, D, BLOCK):
+                        rd = d0 + tl.arange(0, BLOCK)
+                        c = tl.load(COLL + t * D + rd, mask=rd < D, other=0.0).to(tl.float32)
+                        w = tl.load(NW + rd, mask=rd < D, other=0.0).to(tl.float32)
+                        tl.store(COLL + t * D + rd, (w * (c * inv)).to(dt), mask=rd < D)
+        else:
+            s1, s2 = tl.load(SCALE + 1), tl.load(SCALE + 2)
+            sel_post = (rm[None, :] == (ri[:, None] + N_HC)) & mi[:, None]
+            post = 2.0 / (1.0 + tl.exp(-tl.sum(tl.where(sel_post, mix[None, :] * s1 + b[None, :], 0.0), 1)))
+            # comb: entries [2n, 2n + n*n) as an (n, n) matrix, row softmax, then Sinkhorn (column first)
+            rj = tl.arange(0, NP)
+            cidx = 2 * N_HC + ri[:, None] * N_HC + rj[None, :]
+            valid = mi[:, None] & (rj[None, :] < N_HC)
+            cm = tl.zeros((NP, NP), tl.float32)
+            for m in range(2 * N_HC, MIX):
+                v = tl.sum(tl.where(rm == m, mix * s2 + b, 0.0), 0)
+                cm = tl.where(cidx == m, v, cm)
+            cm = tl.where(valid, cm, float("-inf"))
+            cm = tl.exp(cm - tl.max(cm, 1)[:, None])
+            cm = tl.where(valid, cm / tl.sum(cm, 1)[:, None] + eps, 0.0)
             cm = cm / (tl.sum(cm, 0)[None, :] + eps)
-        tl.store(POST + t * N_HC + ri, post, mask=mi)
-        tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
-        for d0 in range(0, D, BLOCK):
-            rd = d0 + tl.arange(0, BLOCK)
-            md = rd < D
-            xs = tl.load(X + t * F + ri[:, None] * D + rd[None, :], mask=mi[:, None] & md[None, :], other=0.0)
-            c = tl.sum(xs.to(tl.float32) * pre[:, None], 0)
-            tl.store(COLL + t * D + rd, c.to(COLL.dtype.element_ty), mask=md)
+            for _ in range(ITERS - 1):
+                cm = cm / (tl.sum(cm, 1)[:, None] + eps)
+                cm = cm / (tl.sum(cm, 0)[None, :] + eps)
+            tl.store(POST + t * N_HC + ri, post, mask=mi)
+            tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
 
     @triton.jit
     def _hc_post_kernel(OUT, X, POST, COMB, Y, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
@@ -153,21 +187,23 @@ if triton is not None:
         tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=md)
 
 
-def _mix_partials(x, w, chunk: int = 64):
+def _mix_partials(x, w, chunk: int = 64, ssq: bool = False):
     """x (M, K) any float dtype, w (N, K) small N -> (M, ceil(K / chunk), >= 16) fp32 partial sums of x @ w^T
     over column chunks: enough programs to fill the GPU at M = 1, and batch-invariant (see _hc_mix_kernel).
+    ssq: the last column holds each chunk's sum of squares of x (the width leaves one past the N products).
     (cuBLAS took two casts, an fp32 GEMM and a split-K reduction for these skinny products.)
     Chunk, BK and warps: the fastest of chunk 64/128/256 x BK 16/32/64 x 2/4 warps on an H200 for mini.yaml's
     mHC (K 8,192, 24 outputs) and router (K 2,048, 32): 1.8 us at M = 1 (chunk 256, 4 warps: 4.1), 5.6 and
     2.5 us at M = 64 (9.2 and 4.4)."""
     M, K = x.shape
     n, bm = w.shape[0], 4
-    mixp = max(16, pow2(n))
+    mixp = max(16, pow2(n + ssq))
     bk = max(8, min(chunk, 8192 // (bm * mixp)))
     split = triton.cdiv(K, chunk)
     part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(triton.cdiv(M, bm), split)](x, w.contiguous(), part, M, F=K, MIX=n, MIXP=mixp, SPLIT=split,
-                                               CHUNK=chunk, BM=bm, BK=bk, num_warps=2 if bm * bk * mixp <= 8192 else 4)
+                                               CHUNK=chunk, BM=bm, BK=bk, SSQ=ssq,
+                                               num_warps=2 if bm * bk * mixp <= 8192 else 4)
     return part
 
 
@@ -238,8 +274,7 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
     return w, ids
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
-    """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32."""
+def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool):
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
@@ -247,11 +282,26 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     post = torch.empty(N, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
     if N:
-        part = _mix_partials(xf, fn)  # the hc_pre kernel sums them
-        _hc_pre_kernel[(N,)](xf, part, base.float().contiguous(), scale.float().contiguous(),
-                             coll, post, comb, eps, norm_eps, ITERS=iters, N_HC=n, D=D, NP=pow2(n),
-                             MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=1024, num_warps=4)
+        part = _mix_partials(xf, fn, ssq=True)  # the hc_pre kernel sums them
+        nw, neps = norm if norm is not None else (coll, 0.0)
+        block = pow2(D) if D <= 4096 else 1024
+        _hc_pre_kernel[(N, 1 if head else 2)](xf, part, base.float().contiguous(), scale.float().contiguous(), nw,
+                                              coll, post, comb, eps, norm_eps, neps, ITERS=iters, N_HC=n, D=D,
+                                              NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
+                                              HEAD=head, NORM=norm is not None, num_warps=4)
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None):
+    """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32. norm: (weight, eps)
+    of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics)."""
+    return _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, head=False)
+
+
+def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None):
+    """model.Transformer.hc_head: x (..., n, D) -> (..., D) x.dtype, the pre-weighted collapse with the head's n
+    weights (sigmoid(mix * scale + base) + eps); norm as in hc_pre."""
+    return _hc_launch(x, fn, base, scale, 0, eps, norm_eps, norm, head=True)[0]
 
 
 def hc_post(out, x, post, comb):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8_gemm import act_quant, act_quant_ref, pow2, triton, use_triton
-from .quant import BLOCK
+from .quant import BLOCK, fp8_max
 
 if triton is not None:
     import triton.language as tl
@@ -184,9 +184,12 @@ def fused_moe_ref(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit:
 
 if triton is not None:
     @triton.jit
-    def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SLOTS, BEXP, n_slots, stride_x, limit,
+    def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SH, HDT, SLOTS, BEXP, n_slots, stride_x, limit, fmax,
                        K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SCALED: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...) of h = SwiGLU(x W1^T, x W3^T), rounded
+        to HDT's dtype. QUANT (BLOCK_N == BLOCK_K: a tile is one 1x128 group a row): h leaves as the down
+        kernel's FP8 input, H (fp8) and SH (scales), in act_quant's arithmetic."""
         pb, pn = tl.program_id(0), tl.program_id(1)
         e = tl.load(BEXP + pb)
         if e < 0:
@@ -219,7 +222,12 @@ if triton is not None:
             acc3 += d3
         g = tl.minimum(acc1, limit)
         u = tl.minimum(tl.maximum(acc3, -limit), limit)
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = (g / (1.0 + tl.exp(-g)) * u).to(HDT.dtype.element_ty)
+        if QUANT:
+            hf = h.to(tl.float32)
+            sh = tl.maximum(tl.max(tl.abs(hf), 1), 1e-12) / fmax
+            tl.store(SH + rows * (I // BLOCK_K) + pn, sh, mask=valid)
+            h = tl.clamp(hf / sh[:, None], -fmax, fmax)
         tl.store(H + rows[:, None] * I + rn[None, :], h.to(H.dtype.element_ty), mask=valid[:, None] & mn[None, :])
 
     @triton.jit
@@ -272,12 +280,14 @@ if triton is not None:
         tl.store(OUT + t * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
 
 
-def _moe_tiles(T: int):
+def _moe_tiles(T: int, scaled: bool = False):
     """((BLOCK_N, warps, stages) of the up kernel, the same of the down kernel) for T tokens: the fastest of 32 /
     64 / 128-wide tiles in the engine's decode steps on an H200 (mini.yaml; up and down kernels a step, FP8):
     at 1 token up 32 (176 us; 64-wide 210), down 64 (109; 32-wide 114); at 64 tokens 64 and 64 (508 + 282 us;
-    32-wide 570 + 329, 128-wide 505 + 293). BF16 at 64 tokens: 1,345 us against 1,385 for 32-wide."""
-    return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
+    32-wide 570 + 329, 128-wide 505 + 293). BF16 at 64 tokens: 1,345 us against 1,385 for 32-wide.
+    FP8 (scaled): the up kernel 128 wide, one 1x128 group of h a row, which it quantizes itself (no act_quant
+    launch between the two)."""
+    return ((128 if scaled else 32 if T <= 4 else 64), 4, 3), (64, 4, 3)
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
@@ -298,15 +308,18 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         xq, sx = act_quant(x, w1.dtype)
     else:
         xq, sx = x, x  # unused scale operand
-    (bn, nw, ns), (bn2, nw2, ns2) = tiles or _moe_tiles(T)
-    h = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)
+    (bn, nw, ns), (bn2, nw2, ns2) = tiles or _moe_tiles(T, scaled)
+    quant = scaled and bn == BLOCK  # the up kernel writes h quantized
+    h = torch.empty(nb * BLOCK_M, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
+    sh = torch.empty(nb * BLOCK_M, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
     _moe_up_kernel[(nb, triton.cdiv(I, bn))](
-        xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, slots, bexp, T * kt, xq.stride(0), limit,
-        K=D, I=I, TOPK=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=nw, num_stages=ns)
-    if scaled:
+        xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, T * kt, xq.stride(0),
+        limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant, BLOCK_M=BLOCK_M,
+        BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=nw, num_stages=ns)
+    if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:
-        hq, sh = h, h
+        hq = h
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,

@@ -684,15 +684,18 @@ class MoE(nn.Module):
 # manifold-constrained hyper-connections
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
-    comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column)."""
+    comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column).
+    norm: the RMSNorm applied to the collapsed input (inside the inference kernel)."""
     if fused_ok(x):  # inference: the decode-tuned forward
-        return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
+        return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps))
     if use_triton(x):  # training and scoring: forward and backward kernels
-        return mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
-    return IMPL["hc_pre"](x, fn, base, scale, iters, eps, norm_eps)
+        h, post, comb = mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
+    else:
+        h, post, comb = IMPL["hc_pre"](x, fn, base, scale, iters, eps, norm_eps)
+    return h if norm is None else norm(h), post, comb
 
 
 def _hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
@@ -757,16 +760,18 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def hc(self, site, x):
+        """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb)."""
         c = self.cfg
         return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+                      getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                      getattr(self, f"{site}_norm"))
 
     def forward(self, x, input_ids, ctx, replay=None):
         """x (B, T, n, D) -> (B, T, n, D), expert ids (B, T, k)."""
         h, post, comb = self.hc("attn", x)
-        x = hc_post(self.attn(self.attn_norm(h), ctx), x, post, comb)
+        x = hc_post(self.attn(h, ctx), x, post, comb)
         h, post, comb = self.hc("ffn", x)
-        y, idx = self.ffn(self.ffn_norm(h), input_ids, replay, ctx.get("token_mask"))
+        y, idx = self.ffn(h, input_ids, replay, ctx.get("token_mask"))
         return hc_post(y, x, post, comb), idx
 
 
@@ -840,11 +845,16 @@ class Transformer(nn.Module):
         return {"pos": pos, "main": self.rope_main(pos), "compress": self.rope_compress(pos)}
 
     def hc_head(self, x):
-        """(B, T, n, D) -> (B, T, D)."""
-        flat = rms_unweighted(x.flatten(-2).float(), self.cfg.rms_norm_eps)
+        """Final streams (B, T, n, D) -> the head's input (B, T, D): their pre-weighted collapse, normed (one
+        kernel in inference, fused.hc_head)."""
+        c = self.cfg
+        if fused_ok(x):
+            return fused.hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps,
+                                 (self.norm.weight, self.norm.eps))
+        flat = rms_unweighted(x.flatten(-2).float(), c.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
-                            + self.hc_head_base.float()) + self.cfg.hc_eps
-        return (pre.unsqueeze(-1) * x).sum(-2).to(x.dtype)
+                            + self.hc_head_base.float()) + c.hc_eps
+        return self.norm((pre.unsqueeze(-1) * x).sum(-2).to(x.dtype))
 
     def forward(self, input_ids, attention_mask=None, replay_experts=None, return_routing: bool = False,
                 return_hidden: bool = False, targets_mask=None, temperature: float = 1.0):
@@ -888,7 +898,7 @@ class Transformer(nn.Module):
             else:
                 x, idx = layer(x, input_ids, ctx, replay)
             routing.append(idx)
-        h = self.norm(self.hc_head(x))
+        h = self.hc_head(x)
         if targets_mask is not None:
             out = self.token_logprobs(h, input_ids, targets_mask, temperature)
         else:

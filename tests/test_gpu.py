@@ -100,6 +100,8 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
+    if fp8:  # the up kernel's own quantization of h (the default) and act_quant's: the same bits
+        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((64, 4, 3), (64, 4, 3))))
 
 
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
@@ -157,6 +159,15 @@ def test_fused_hc_and_norms(n):
     got, want = fused.hc_pre(x, fn, base, sc, 20, 1e-6, 1e-6), hc_pre(x, fn, base, sc, 20, 1e-6, 1e-6)
     for a, b in zip(got, want):
         assert rel(a, b) < 1e-3
+    # the site's RMSNorm in the same kernel, and the head's collapse + norm (Transformer.hc_head's formula)
+    nm = RMSNorm(2048, 1e-6).cuda()
+    nm.weight.data.normal_(generator=g)
+    for rows in (1, 64):
+        normed = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps))
+        assert rel(normed[0], nm(got[0][:rows])) < 1e-2 and all(torch.equal(a, b[:rows]) for a, b in zip(normed[1:], got[1:]))
+        pre = torch.sigmoid(rms_unweighted(x[:rows].flatten(-2).float(), 1e-6) @ fn[:n].T * sc[0] + base[:n]) + 1e-6
+        want_head = nm((pre.unsqueeze(-1) * x[:rows].float()).sum(-2).bfloat16())
+        assert rel(fused.hc_head(x[:rows], fn[:n], base[:n], sc[:1], 1e-6, 1e-6, (nm.weight, nm.eps)), want_head) < 1e-2
     out = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     assert rel(fused.hc_post(out, x, want[1], want[2]), hc_post(out, x, want[1], want[2])) < 1e-2
     xb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=g)

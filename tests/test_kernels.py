@@ -118,15 +118,23 @@ INTERPRETED = textwrap.dedent("""
     ws_ = [torch.randn(E, I, D, generator=g) * 0.05, torch.randn(E, D, I, generator=g) * 0.05, torch.randn(E, I, D, generator=g) * 0.05]
     q = [quant_fp8_block(t, torch.float8_e4m3fn, scale_fmt="fp32") for t in ws_]
     args = (xx, ids, wt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
-    assert (km.fused_moe(*args) - km.fused_moe_ref(*args)).abs().max() < 1e-4
+    t64 = ((64, 4, 3), (64, 4, 3))  # h through act_quant (FP8's own default: the up kernel quantizes h itself)
+    assert (km.fused_moe(*args, tiles=t64) - km.fused_moe_ref(*args)).abs().max() < 1e-4
     assert (km.fused_moe(xx, ids, wt, *ws_) - km.fused_moe_ref(xx, ids, wt, *ws_)).abs().max() < 1e-4
     # the last expert as a shared one (every token, weight 1) and slots on another rank (id E: skipped)
     ids_sh = torch.where(torch.rand(T, k, generator=g) < 0.3, torch.full_like(ids, E), ids.clamp(max=E - 2))
     for n_sh in (0, 1):
         for w_ in (args[3:], ws_):  # FP8, then plain weights
-            got = km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh)
+            got = km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, tiles=t64)
             want = km.fused_moe_ref(xx, ids_sh, wt, *w_, n_shared=n_sh)
             assert (got - want).abs().max() < 1e-4 * want.abs().max(), n_sh
+    # h quantized by the up kernel: the same bits as the act_quant kernel's (both in the interpreter's fp8 casts)
+    from kernels.fp8_gemm import act_quant as act_quant_kernel
+    km.act_quant = act_quant_kernel
+    for n_sh in (0, 1):
+        assert torch.equal(km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh),
+                           km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=t64)), n_sh
+    km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
     pool, sink = torch.randn(10, BE, d, generator=g), torch.randn(H, generator=g)
@@ -143,14 +151,32 @@ INTERPRETED = textwrap.dedent("""
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
     from kernels import fused
     from model.model import hc_pre, hc_post, rms_unweighted, RMSNorm
-    for n in (2, 3, 4):
-        xs = torch.randn(5, n, 96, generator=g)
-        fn, base, sc = torch.randn((2 + n) * n, n * 96, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
-        for got, want in zip(fused.hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6), hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)):
-            assert (got - want).abs().max() < 1e-5, n
-        _, post, comb = hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
-        out = torch.randn(5, 96, generator=g)
-        assert (fused.hc_post(out, xs, post, comb) - hc_post(out, xs, post, comb)).abs().max() < 1e-5
+    from model.model import _hc_pre
+    for n, D in ((2, 96), (3, 96), (4, 96)):
+        xs = torch.randn(5, n, D, generator=g)
+        fn, base, sc = torch.randn((2 + n) * n, n * D, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+        norm = RMSNorm(D, 1e-6)
+        norm.weight.data.normal_(generator=g)
+        want = _hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
+        plain = fused.hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
+        for got, w in zip(plain, want):
+            assert (got - w).abs().max() < 1e-5, n
+        # the site's norm inside the kernel (Block.hc in inference), and the head's collapse + norm
+        got = fused.hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6, (norm.weight, norm.eps))
+        assert (got[0] - norm(want[0])).abs().max() < 1e-5 and all(torch.equal(a, b) for a, b in zip(got[1:], plain[1:]))
+        hfn, hb, hs = fn[:n], base[:n], sc[:1]
+        pre = torch.sigmoid(rms_unweighted(xs.flatten(-2), 1e-6) @ hfn.T * hs + hb) + 1e-6
+        want_head = norm((pre.unsqueeze(-1) * xs).sum(-2))
+        got_head = fused.hc_head(xs, hfn, hb, hs, 1e-6, 1e-6, (norm.weight, norm.eps))
+        assert (got_head - want_head).abs().max() < 1e-5 * want_head.abs().max(), n
+        out = torch.randn(5, D, generator=g)
+        assert (fused.hc_post(out, xs, want[1], want[2]) - hc_post(out, xs, want[1], want[2])).abs().max() < 1e-5
+    xs = torch.randn(1, 1, 4100, generator=g)  # D > 4096: the norm as a second pass over the stored row
+    fn, base = torch.randn(3, 4100, generator=g) * 0.1, torch.randn(3, generator=g)
+    norm = RMSNorm(4100, 1e-6)
+    norm.weight.data.normal_(generator=g)
+    got, want = fused.hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6, (norm.weight, norm.eps))[0], norm(_hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6)[0])
+    assert (got - want).abs().max() < 1e-5 * want.abs().max(), float((got - want).abs().max())
     from tests.kernel_cases import index_topk_case
     for B, S, k in ((3, 64, 16), (2, 300, 200), (4, 1024, 512), (2, 20, 20)):
         assert index_topk_case("cpu", B, S, k), (B, S, k)
