@@ -490,14 +490,14 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     return CompState(kv[c * r:], gate[c * r:], prev, entries)
 
 
-def projections(attn, h, pos, tables, raw: bool = False):
+def projections(attn, h, pos, tables, raw: bool = False, store=None):
     """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
     compressors' kv / gate as their linears give them (no fp32 copy, no position bias; the decode step's
-    compress kernel applies both)."""
+    compress kernel applies both). store: where the kv rows also go (Attention.project_kv)."""
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h) if hasattr(attn, "input_gemms") else {}
     q, q_res = attn.project_q(h, cos, sin, ins.get("wq_a"))
-    pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"))[0]}
+    pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
 
     def comp(c, key):
         kv = ins[key + "kv"] if key + "kv" in ins else c.wkv(h)
@@ -970,11 +970,10 @@ class Runner:
     def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope):
         """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio)."""
         c = self.cache
-        pr = projections(attn, h, pos, tables, raw=True)
         key = ("window", attn.window)
-        if key not in wrope:
-            wrope[key] = pos % attn.window
-        c.win[li][slots, wrope[key]] = pr["kv"].to(c.win[li].dtype)
+        if key not in wrope:  # the window-cache row of each sequence's new key
+            wrope[key] = slots * attn.window + pos % attn.window
+        pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
         q = pr["q"][0]
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale)
@@ -1117,6 +1116,8 @@ class Engine:
         the host's bookkeeping overlaps the device's work; False: one step at a time (the twin)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
+        for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
+            rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_seqs, self.max_model_len, self.max_batch_tokens = max_seqs, max_model_len, max_batch_tokens
         n_blocks = self._size_pools(num_blocks, block_entries, mem_fraction)

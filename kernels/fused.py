@@ -5,6 +5,7 @@
     hc_post(out, x, post, comb) -> new streams
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
     rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
+    norm_rope(x, weight, eps, cos, sin[, store])                                 (RMSNorm then rope, inference)
     swiglu(gate, up, limit)
 
 Each computes the same function as its twin in model/model.py (`hc_pre`, `Transformer.hc_head`, `hc_post`,
@@ -504,10 +505,10 @@ class _Rope(torch.autograd.Function):
         return _rope_launch(gy, cos, sin, -ctx.sign, ctx.per), None, None, None, None
 
 
-def rope(x, cos, sin, inverse: bool = False):
-    """The fused twin of model.apply_rope when cos/sin broadcast against x's leading dims as one contiguous run of
-    dims (torch's right-aligned broadcasting: size-1 or missing dims before the run, size-1 dims after it);
-    returns None for any other broadcast, and the caller falls back to torch. Differentiable in x."""
+def _rope_per(x, cos, sin):
+    """How many consecutive rows of x (..., dim) share a row of cos/sin (..., rd/2), when they broadcast against
+    x's leading dims as one contiguous run of dims (torch's right-aligned broadcasting: size-1 or missing dims
+    before the run, size-1 dims after it); None for any other broadcast."""
     xs, cs = list(x.shape[:-1]), list(cos.shape[:-1])
     if cos.shape != sin.shape or len(cs) > len(xs):
         return None
@@ -522,8 +523,70 @@ def rope(x, cos, sin, inverse: bool = False):
     per = 1
     for s in xs[at + hi - lo:]:
         per *= s
+    return per
+
+
+def rope(x, cos, sin, inverse: bool = False):
+    """The fused twin of model.apply_rope when cos/sin broadcast against x's leading dims as `_rope_per` allows;
+    returns None for any other broadcast, and the caller falls back to torch. Differentiable in x."""
+    per = _rope_per(x, cos, sin)
+    if per is None:
+        return None
     cos, sin = cos.contiguous().float(), sin.contiguous().float()
     sign = -1.0 if inverse else 1.0
     if needs_grad(x):
         return _Rope.apply(x, cos, sin, sign, per)
     return _rope_launch(x, cos, sin, sign, per)
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope_kernel(X, W, COS, SIN, Y, OUT2, ROWS2, eps, stride_x, per, ncos, DIM: tl.constexpr,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr):
+        """Row r: RMSNorm (weight W, or unweighted: the factor rounded to x's dtype first, as the twin does), then
+        the last HALF channel pairs rotated by row (r // per) % ncos of cos/sin; to Y, and (STORE2) to row
+        ROWS2[r] of OUT2 too."""
+        r = tl.program_id(0).to(tl.int64)
+        rd = tl.arange(0, BLOCK)
+        md = rd < DIM
+        x = tl.load(X + r * stride_x + rd, mask=md, other=0.0)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, 0) / DIM + eps)
+        if WEIGHTED:
+            y = (tl.load(W + rd, mask=md, other=0.0).to(tl.float32) * (xf * inv)).to(x.dtype)
+        else:
+            y = (xf * inv.to(x.dtype).to(tl.float32)).to(x.dtype)
+        ye, yo = tl.split(tl.reshape(y.to(tl.float32), (BLOCK // 2, 2)))
+        j = tl.arange(0, BLOCK // 2) - (DIM // 2 - HALF)  # the pair's row in the tables (< 0: not rotated)
+        mj = (j >= 0) & (j < HALF)
+        c = (r // per) % ncos
+        co = tl.load(COS + c * HALF + j, mask=mj, other=1.0)
+        si = tl.load(SIN + c * HALF + j, mask=mj, other=0.0)
+        out = tl.reshape(tl.join(ye * co - yo * si, yo * co + ye * si), (BLOCK,)).to(Y.dtype.element_ty)
+        tl.store(Y + r * DIM + rd, out, mask=md)
+        if STORE2:
+            tl.store(OUT2 + tl.load(ROWS2 + r) * DIM + rd, out.to(OUT2.dtype.element_ty), mask=md)
+
+
+def norm_rope(x, weight, eps: float, cos, sin, store=None):
+    """Inference's RMSNorm (weight None: unweighted) + apply_rope in one pass: x (..., dim) with rows possibly
+    strided (a column slice of the engine's fused input GEMM), cos/sin as `rope` takes them. store: (buf (R,
+    dim), rows (x's rows,) int64) also writes row i of the result to buf[rows[i]] (the engine's window cache).
+    -> (..., dim) in x's dtype, or None where `rope` would decline the broadcast (the caller composes the two)."""
+    per = _rope_per(x, cos, sin)
+    dim = x.shape[-1]
+    if per is None or dim % 2:
+        return None
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, half = x2.shape[0], cos.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        cos, sin = cos.contiguous().float(), sin.contiguous().float()
+        buf, idx = store if store is not None else (y, y)
+        _norm_rope_kernel[(rows,)](x2, weight if weight is not None else x2, cos, sin, y, buf, idx, eps, x2.stride(0),
+                                   per, cos.numel() // half, DIM=dim, HALF=half, BLOCK=pow2(dim),
+                                   WEIGHTED=weight is not None, STORE2=store is not None,
+                                   num_warps=4 if dim >= 1024 else 2)
+    return y

@@ -83,6 +83,7 @@ class Rope(nn.Module):
         meta = torch.empty(0).is_meta
         self.register_buffer("inv_freq", torch.empty(rope_dim // 2) if meta else self.compute_inv_freq(),
                              persistent=False)
+        self.table = None  # (2, n, rope_dim/2) cos / sin of positions [0, n) once `precompute` ran
 
     def compute_inv_freq(self, device=None):
         d, base = self.rope_dim, self.theta
@@ -105,10 +106,23 @@ class Rope(nn.Module):
 
     def reset(self):
         self.inv_freq = self.compute_inv_freq(self.inv_freq.device)
+        if self.table is not None:  # in place: CUDA graphs captured over it read this memory
+            self.table.copy_(torch.stack(self._angles(torch.arange(self.table.shape[1], device=self.table.device))))
 
-    def forward(self, pos: torch.Tensor):
+    def precompute(self, n: int):
+        """From now on forward gathers rows of a table of positions [0, n) instead of computing them: the same
+        values in one kernel (the rollout engine; its positions stay below its max_model_len)."""
+        self.table = torch.stack(self._angles(torch.arange(n, device=self.inv_freq.device)))
+
+    def _angles(self, pos):
         freqs = pos.float()[..., None] * self.inv_freq
         return freqs.cos(), freqs.sin()
+
+    def forward(self, pos: torch.Tensor):
+        if self.table is not None:
+            t = self.table[:, pos]
+            return t[0], t[1]
+        return self._angles(pos)
 
 
 def apply_rope(x, cos, sin, inverse: bool = False):
@@ -405,12 +419,26 @@ class Attention(nn.Module):
         a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x)."""
         B, T, _ = x.shape
         q_res = self.q_norm(self.wq_a(x) if a is None else a)
-        q = rms_unweighted(self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim), self.cfg.rms_norm_eps)
-        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), q_res
+        q = self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        if fused_ok(q):  # inference: the per-head norm and the rotation in one kernel
+            y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin)
+            if y is not None:
+                return y, q_res
+        return apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin), q_res
 
-    def project_kv(self, x, cos, sin, kv=None):
-        """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head. kv: wkv(x) where the caller has it."""
-        return apply_rope(self.norm(self.wkv(x) if kv is None else kv), cos, sin)
+    def project_kv(self, x, cos, sin, kv=None, store=None):
+        """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head. kv: wkv(x) where the caller has it.
+        store: (buf (R, d), rows (B * T,)): also buf[rows] = the result (the rollout engine's window cache)."""
+        kv = self.wkv(x) if kv is None else kv
+        if fused_ok(kv):  # inference: norm, rotation and the store in one kernel
+            y = fused.norm_rope(kv, self.norm.weight, self.norm.eps, cos, sin, store)
+            if y is not None:
+                return y
+        y = apply_rope(self.norm(kv), cos, sin)
+        if store is not None:
+            store[0][store[1]] = y.reshape(-1, y.shape[-1]).to(store[0].dtype)
+        return y
 
     def project_out(self, o, cos, sin):
         """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position."""

@@ -175,6 +175,17 @@ def test_fused_hc_and_norms(n):
     norm = RMSNorm(512, 1e-6).cuda()
     norm.weight.data.normal_(generator=g)
     assert rel(fused.rms_norm(xb, norm.weight, 1e-6), norm(xb)) < 1e-2
+    # RMSNorm + rope in one kernel (the decode step's q heads and kv; kv rows strided, also stored to a cache)
+    from model.model import _rms, _rms_unweighted, _rope
+    ang = torch.randn(64, 32, device="cuda", generator=g) * 3
+    q = torch.randn(1, 64, 16, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = _rope(_rms_unweighted(q, 1e-6), ang.cos()[:, None], ang.sin()[:, None])
+    assert rel(fused.norm_rope(q, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None]), want) < 1e-2
+    kv = torch.randn(1, 64, 1536, device="cuda", dtype=torch.bfloat16, generator=g)[..., 512:1024]
+    wn, buf = torch.rand(512, device="cuda", generator=g) + 0.5, torch.zeros(300, 512, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randperm(300, device="cuda", generator=g)[:64]
+    got = fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), (buf, rows))
+    assert rel(got, _rope(_rms(kv, wn, 1e-6), ang.cos(), ang.sin())) < 1e-2 and torch.equal(buf[rows], got[0])
     from model.model import _swiglu
     gs, us = [(torch.randn(2, 64, 1024, device="cuda", generator=g) * 6).bfloat16() for _ in range(2)]
     # the same bf16 roundings as torch: at most one ulp apart

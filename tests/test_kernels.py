@@ -197,6 +197,15 @@ INTERPRETED = textwrap.dedent("""
                             lambda x: _rope(x, ang.cos(), -ang.sin() if inv else ang.sin()), [torch.randn(shape, generator=g)])
             assert err < 1e-5, (shape, cshape, inv, err)
     assert fused.rope(torch.randn(2, 6, 48), torch.ones(3, 8), torch.ones(3, 8)) is None  # no such broadcast
+    # norm + rope in one pass (inference): the q heads unweighted; kv weighted, rows strided, stored to a buffer
+    ang = torch.randn(3, 8, generator=g)
+    q4 = torch.randn(1, 3, 4, 48, generator=g)
+    got = fused.norm_rope(q4, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None])
+    assert (got - _rope(_rms_unweighted(q4, 1e-6), ang.cos()[:, None], ang.sin()[:, None])).abs().max() < 1e-5
+    kv, wn, buf = torch.randn(1, 3, 144, generator=g)[..., 48:96], torch.rand(48, generator=g) + 0.5, torch.zeros(10, 48)
+    got = fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), (buf, torch.tensor([7, 2, 5])))
+    want = _rope(_rms(kv, wn, 1e-6), ang.cos(), ang.sin())
+    assert (got - want).abs().max() < 1e-5 and torch.equal(buf[[7, 2, 5]], got[0]) and int(buf.abs().sum(1).gt(0).sum()) == 3
     # fp32: the interpreter truncates bf16 casts (the GPU test checks bf16)
     xb, wb = torch.randn(7, 200, generator=g), torch.randn(200, generator=g)
     assert grad_case(lambda x: fused.rms_norm(x, None, 1e-6), lambda x: _rms_unweighted(x, 1e-6), [xb]) < 1e-5
