@@ -492,8 +492,9 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
 
 def projections(attn, h, pos, tables, raw: bool = False, store=None):
     """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
-    compressors' kv / gate as their linears give them (no fp32 copy, no position bias; the decode step's
-    compress kernel applies both). store: where the kv rows also go (Attention.project_kv)."""
+    compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
+    position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
+    (Attention.project_kv)."""
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h) if hasattr(attn, "input_gemms") else {}
     q, q_res = attn.project_q(h, cos, sin, ins.get("wq_a"))
@@ -506,7 +507,7 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None):
     if attn.compressor is not None:
         pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
     if attn.indexer is not None:
-        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"))
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw)
         pr["ikv"], pr["igate"] = comp(attn.indexer.compressor, "i")
     return pr
 
@@ -988,7 +989,7 @@ class Runner:
                 self._compress_step(li, attn.indexer.compressor, "i", pr["ikv"][0], pr["igate"][0], pos, slots, table,
                                     c.ikeys[li], wrope)
                 S = table.shape[1] * c.BE
-                sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S)
+                sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
                 sel = index_topk(sc, min(attn.indexer.topk, S), count)
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
                                        sel=sel)

@@ -183,20 +183,22 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
 # the Lightning Indexer's scores over paged keys
 
 
-def index_scores_ref(qi, wi, pool, table, count, S: int):
-    """qi (B, h, d), wi (B, h) -> (B, S) fp32: scores of entries [0, S), -inf at and beyond count."""
+def index_scores_ref(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
+    """qi (B, h, d), wi (B, h) (head weights, times w_scale in fp32) -> (B, S) fp32: scores of entries [0, S),
+    -inf at and beyond count."""
     B = qi.shape[0]
     idx = torch.arange(S, device=qi.device).expand(B, S)
     keys = _entry_rows(pool, table, idx).float()
     s = torch.einsum("bhd,bsd->bhs", qi.float(), keys).relu_() * qi.shape[-1] ** -0.5
-    s = torch.einsum("bhs,bh->bs", s, wi.float())
+    s = torch.einsum("bhs,bh->bs", s, wi.float() * w_scale)
     return s.masked_fill(idx >= count[:, None], float("-inf"))
 
 
 if triton is not None:
     @triton.jit
-    def _index_scores_kernel(QI, WI, POOL, TABLE, COUNT, OUT, S, max_blocks, scale, NH: tl.constexpr,
-                             D: tl.constexpr, BE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _index_scores_kernel(QI, WI, POOL, TABLE, COUNT, OUT, S, max_blocks, scale, stride_w, w_scale,
+                             NH: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
         b, sb = tl.program_id(0), tl.program_id(1)
         rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
         n = tl.load(COUNT + b)
@@ -213,23 +215,27 @@ if triton is not None:
             rh = h0 + tl.arange(0, BLOCK_H)
             mh = rh < NH
             q = tl.load(QI + (b * NH + rh[:, None]) * D + rd[None, :], mask=mh[:, None], other=0.0).to(tl.float32)
-            w = tl.load(WI + b * NH + rh, mask=mh, other=0.0).to(tl.float32)
+            w = tl.load(WI + b * stride_w + rh, mask=mh, other=0.0).to(tl.float32) * w_scale
             s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0) * scale
             tot += tl.sum(s * w[:, None], 0)
         tot = tl.where(valid, tot, float("-inf"))
         tl.store(OUT + b * S + rs, tot, mask=rs < S)
 
 
-def index_scores(qi, wi, pool, table, count, S: int):
+def index_scores(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
+    """index_scores_ref on GPUs. qi and wi in any float dtype (the kernel reads them as fp32); wi's rows may be
+    strided (a column slice of the engine's fused input GEMM)."""
     B, nh, d = qi.shape
     if not use_triton(qi) or d < 16 or d & (d - 1):
-        return index_scores_ref(qi, wi, pool, table, count, S)
+        return index_scores_ref(qi, wi, pool, table, count, S, w_scale)
     out = torch.empty(B, S, dtype=torch.float32, device=qi.device)
+    if wi.stride(-1) != 1:
+        wi = wi.contiguous()
     # entries a program: 16 for a few rows (H200, 1,024-entry tables, 192 filled: 6.7 us at 1 row, 12.4 with 64),
     # 64 from 16 rows on (12.9 vs 16.6 us at 16 rows, 30.5 vs 42.1 at 64)
     bs = 16 if B < 4 else 64
     _index_scores_kernel[(B, triton.cdiv(S, bs))](
-        qi.contiguous(), wi.contiguous(), pool, table, count, out, S, table.shape[1], d ** -0.5, NH=nh,
+        qi.contiguous(), wi, pool, table, count, out, S, table.shape[1], d ** -0.5, wi.stride(0), w_scale, NH=nh,
         D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)
     return out
 

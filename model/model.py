@@ -236,14 +236,19 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
 
-    def query(self, x, q_res, cos, sin, w=None):
+    def query(self, x, q_res, cos, sin, w=None, raw: bool = False):
         """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32. w: weights_proj(x) where the caller
-        has it."""
+        has it. raw: q and w in the linears' dtype and w not yet scaled by w_scale (the rollout engine's
+        index_scores kernel converts and scales them as it reads them)."""
         B, T, _ = x.shape
         q = self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).float()
-        w = (self.weights_proj(x) if w is None else w).float() * self.n_heads ** -0.5
-        return q, w
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        w = self.weights_proj(x) if w is None else w
+        return (q, w) if raw else (q.float(), w.float() * self.w_scale)
+
+    @property
+    def w_scale(self) -> float:
+        return self.n_heads ** -0.5
 
     def scores(self, q, w, keys):
         """q (B, T, h, d), w (B, T, h), keys (B, S, d) -> (B, T, S) fp32."""

@@ -142,6 +142,11 @@ def test_index_scores():
     a, b = index_scores(qi, wi, pool, table, count, S), index_scores_ref(qi, wi, pool, table, count, S)
     fin = ~torch.isinf(b)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and rel(a[fin], b[fin]) < 1e-5
+    # the decode step's raw indexer outputs: bf16 q, head weights a strided bf16 column slice scaled in the kernel
+    wide = torch.randn(B, 3 * h, device="cuda", generator=g).bfloat16()
+    a = index_scores(qi.bfloat16(), wide[:, h:2 * h], pool, table, count, S, h ** -0.5)
+    b = index_scores_ref(qi.bfloat16().float(), wide[:, h:2 * h].float() * h ** -0.5, pool, table, count, S)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and rel(a[fin], b[fin]) < 1e-5
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -149,6 +149,10 @@ INTERPRETED = textwrap.dedent("""
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
+    # head weights as a strided column slice, scaled in the kernel (the decode step's raw indexer outputs)
+    a = index_scores(qi, torch.cat([wi, wi], 1)[:, 8:], pool, table, count, 24, 0.25)
+    b = index_scores_ref(qi, wi * 0.25, pool, table, count, 24)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
     from kernels import fused
     from model.model import hc_pre, hc_post, rms_unweighted, RMSNorm
     from model.model import _hc_pre
