@@ -173,19 +173,25 @@ if triton is not None:
                  mask=mi[:, None] & md[None, :])
 
     @triton.jit
-    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
-        r = tl.program_id(0)
+    def _rms_row(X, W, r, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
+        """Row r of x RMS-normed, fp32 (BLOCK,) before the cast to x's dtype."""
         rd = tl.arange(0, BLOCK)
         md = rd < D
         x = tl.load(X + r * stride_x + rd, mask=md, other=0.0)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         if WEIGHTED:
-            w = tl.load(W + rd, mask=md, other=0.0).to(tl.float32)
-            y = w * (xf * inv)
+            y = tl.load(W + rd, mask=md, other=0.0).to(tl.float32) * (xf * inv)
         else:  # the torch twin multiplies in x's dtype: round the factor first
             y = xf * inv.to(x.dtype).to(tl.float32)
-        tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=md)
+        return y
+
+    @triton.jit
+    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
+        r = tl.program_id(0)
+        rd = tl.arange(0, BLOCK)
+        y = _rms_row(X, W, r, stride_x, eps, D, BLOCK, WEIGHTED)
+        tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=rd < D)
 
 
 def _mix_partials(x, w, chunk: int = 64, ssq: bool = False):
@@ -549,13 +555,7 @@ if triton is not None:
         r = tl.program_id(0).to(tl.int64)
         rd = tl.arange(0, BLOCK)
         md = rd < DIM
-        x = tl.load(X + r * stride_x + rd, mask=md, other=0.0)
-        xf = x.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xf * xf, 0) / DIM + eps)
-        if WEIGHTED:
-            y = (tl.load(W + rd, mask=md, other=0.0).to(tl.float32) * (xf * inv)).to(x.dtype)
-        else:
-            y = (xf * inv.to(x.dtype).to(tl.float32)).to(x.dtype)
+        y = _rms_row(X, W, r, stride_x, eps, DIM, BLOCK, WEIGHTED).to(X.dtype.element_ty)
         ye, yo = tl.split(tl.reshape(y.to(tl.float32), (BLOCK // 2, 2)))
         j = tl.arange(0, BLOCK // 2) - (DIM // 2 - HALF)  # the pair's row in the tables (< 0: not rotated)
         mj = (j >= 0) & (j < HALF)
