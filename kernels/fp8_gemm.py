@@ -245,7 +245,7 @@ if triton is not None:
 _COUNTERS: dict = {}
 
 
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
+def tickets(device: torch.device, n: int) -> torch.Tensor:
     """The split-K ticket counters of `device` (int32 zeros, >= n): each launch's last programs put theirs back
     to 0, so launches in one stream share them."""
     cnt = _COUNTERS.get(device)
@@ -291,7 +291,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
         x2 = x2.contiguous()
         grid = (triton.cdiv(N, bn), split, groups * triton.cdiv(M, bm))
         part = torch.empty(split, M, GN, dtype=torch.float32, device=x2.device) if split > 1 else y
-        cnt = _tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
+        cnt = tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
         _fp8_linear_kernel[grid](x2, wq, sw.contiguous(), y, part, cnt, M, N, x2.stride(0), wq.stride(0), y.stride(0),
                                  fp8_max(wq.dtype), K=K, KS=ks, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
                                  num_warps=4, num_stages=3)

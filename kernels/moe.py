@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import act_quant, act_quant_ref, pow2, triton, use_triton
+from .fp8_gemm import act_quant, act_quant_ref, pow2, tickets, triton, use_triton
 from .quant import BLOCK, fp8_max
 
 if triton is not None:
@@ -184,13 +184,16 @@ def fused_moe_ref(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit:
 
 if triton is not None:
     @triton.jit
-    def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SH, HDT, SLOTS, BEXP, n_slots, stride_x, limit, fmax,
+    def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SH, HDT, SLOTS, BEXP, PART, CNT, n_slots, stride_x, limit, fmax,
                        K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SCALED: tl.constexpr,
-                       QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       KSPLIT: tl.constexpr):
         """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...) of h = SwiGLU(x W1^T, x W3^T), rounded
         to HDT's dtype. QUANT (BLOCK_N == BLOCK_K: a tile is one 1x128 group a row): h leaves as the down
-        kernel's FP8 input, H (fp8) and SH (scales), in act_quant's arithmetic."""
-        pb, pn = tl.program_id(0), tl.program_id(1)
+        kernel's FP8 input, H (fp8) and SH (scales), in act_quant's arithmetic. KSPLIT > 1: program ks takes the
+        ks-th K range and stores its two fp32 partials in PART[ks]; the tile's last program to finish (a ticket
+        counter in CNT, put back to 0) adds the KSPLIT partials in range order and finishes the tile."""
+        pb, pn, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         e = tl.load(BEXP + pb)
         if e < 0:
             return
@@ -205,7 +208,9 @@ if triton is not None:
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         wbase = e.to(tl.int64) * I * K
-        for k0 in range(0, K, BLOCK_K):
+        NKR: tl.constexpr = K // KSPLIT // BLOCK_K  # K blocks a range
+        for j in range(NKR):
+            k0 = (ks * NKR + j) * BLOCK_K
             x = tl.load(X + tok[:, None] * stride_x + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
             woff = wbase + rn[:, None] * K + (k0 + rk)[None, :]
             w1 = tl.load(W1 + woff, mask=mn[:, None], other=0.0)
@@ -220,6 +225,22 @@ if triton is not None:
                 d3 = d3 * sx[:, None] * tl.load(S3 + soff, mask=mn, other=0.0)[None, :]
             acc1 += d1
             acc3 += d3
+        if KSPLIT > 1:
+            mask = valid[:, None] & mn[None, :]
+            part = PART + rows[:, None] * (2 * I) + rn[None, :]
+            step = tl.num_programs(0) * BLOCK_M * 2 * I  # one range's partials
+            tl.store(part + ks * step, acc1, mask=mask)
+            tl.store(part + ks * step + I, acc3, mask=mask)
+            tl.debug_barrier()  # the whole partial is written before the ticket is taken
+            tile = pb * tl.num_programs(1) + pn
+            if tl.atomic_add(CNT + tile, 1) != KSPLIT - 1:  # acq_rel: the other ranges' partials are visible
+                return
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(KSPLIT):
+                acc1 += tl.load(part + s * step, mask=mask, other=0.0, cache_modifier=".cg")
+                acc3 += tl.load(part + s * step + I, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(CNT + tile, 0)
         g = tl.minimum(acc1, limit)
         u = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = (g / (1.0 + tl.exp(-g)) * u).to(HDT.dtype.element_ty)
@@ -233,8 +254,10 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pb, pn = tl.program_id(0), tl.program_id(1)
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr):
+        """Row block pb, columns [pn * BLOCK_N, ...) of y = h W2^T times the slot's routing weight; program ks of
+        KSPLIT takes the ks-th K range and writes its own copy of y, Y[ks] (_moe_sum_kernel adds them)."""
+        pb, pn, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         e = tl.load(BEXP + pb)
         if e < 0:
             return
@@ -247,7 +270,9 @@ if triton is not None:
         nkb: tl.constexpr = K // BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         wbase = e.to(tl.int64) * D * K
-        for k0 in range(0, K, BLOCK_K):
+        NKR: tl.constexpr = K // KSPLIT // BLOCK_K  # K blocks a range
+        for j in range(NKR):
+            k0 = (ks * NKR + j) * BLOCK_K
             h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
             w = tl.load(W2 + wbase + rn[:, None] * K + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
             d = tl.dot(h, tl.trans(w))
@@ -260,14 +285,15 @@ if triton is not None:
         j = slot % KT  # a token's j-th slot: routed (weight WTS[token, j]) or shared (weight 1)
         wt = tl.load(WTS + (slot // KT) * KR + j, mask=valid & (j < KR), other=1.0)
         acc = acc * wt[:, None]
-        tl.store(Y + slot[:, None] * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
+        tl.store(Y + (ks * n_slots + slot[:, None]) * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
 
 
 if triton is not None:
     @triton.jit
-    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr):
-        """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y in slot order (fp32), skipping routed
-        slots whose expert is not here (id E: never written)."""
+    def _moe_sum_kernel(Y, IDS, OUT, E, n_slots, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
+                        KSPLIT: tl.constexpr, BD: tl.constexpr):
+        """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y (each in KSPLIT parts, Y[ks]) in slot
+        order (fp32), skipping routed slots whose expert is not here (id E: never written)."""
         t = tl.program_id(0).to(tl.int64)
         rd = tl.program_id(1) * BD + tl.arange(0, BD)
         md = rd < D
@@ -276,18 +302,35 @@ if triton is not None:
             here = True
             if j < KR:
                 here = tl.load(IDS + t * KR + j) < E
-            acc += tl.load(Y + (t * KT + j) * D + rd, mask=md & here, other=0.0)
+            for ks in tl.static_range(KSPLIT):
+                acc += tl.load(Y + (ks * n_slots + t * KT + j) * D + rd, mask=md & here, other=0.0)
         tl.store(OUT + t * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
-    """((BLOCK_N, warps, stages) of the up kernel, the same of the down kernel) for T tokens: the fastest of 32 /
-    64 / 128-wide tiles in the engine's decode steps on an H200 (mini.yaml; up and down kernels a step, FP8):
-    at 1 token up 32 (176 us; 64-wide 210), down 64 (109; 32-wide 114); at 64 tokens 64 and 64 (508 + 282 us;
-    32-wide 570 + 329, 128-wide 505 + 293). BF16 at 64 tokens: 1,345 us against 1,385 for 32-wide.
+    """((BLOCK_N, warps, stages[, K ranges]) of the up kernel, the same of the down kernel) for T tokens.
+    BF16: the fastest of 32 / 64 / 128-wide tiles in the engine's decode steps on an H200 (mini.yaml; up and
+    down kernels a step): at 64 tokens 1,345 us against 1,385 for 32-wide; at 1 token up 32, down 64.
     FP8 (scaled): the up kernel 128 wide, one 1x128 group of h a row, which it quantizes itself (no act_quant
-    launch between the two)."""
-    return ((128 if scaled else 32 if T <= 4 else 64), 4, 3), (64, 4, 3)
+    launch between the two). From `bench/fp8_linear.py --moe --sweep` on an H200 (fused_moe a call, mini's
+    experts from HBM): up to 4 tokens the up kernel's K in 4 ranges, 8 warps (1 token: 31.8 us against 34.5
+    unsplit; from 16 tokens on every split was slower; in the engine's batch-1 step the up kernels took 166 us
+    against 196). Past 64 tokens the down kernel 128 wide: at 256 tokens 146 us against 152 in the sweep, and
+    535 us a step against 600 in the engine. At 64 tokens the engine's step measured the opposite of the sweep
+    (291 us against 280 for 64-wide), so 64 stays there."""
+    if not scaled:
+        return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
+    return ((128, 8, 3, 4) if T <= 4 else (128, 4, 3)), ((128 if T > 64 else 64), 4, 3)
+
+
+def _ksplit(tile, K: int) -> int:
+    """A kernel's K ranges from its tile spec (BLOCK_N, warps, stages[, K ranges]): at most K's 128-blocks, a
+    divisor of them."""
+    nkb = K // BLOCK
+    ks = max(1, min(tile[3] if len(tile) > 3 else 1, nkb))
+    while nkb % ks:
+        ks -= 1
+    return ks
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
@@ -308,27 +351,33 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         xq, sx = act_quant(x, w1.dtype)
     else:
         xq, sx = x, x  # unused scale operand
-    (bn, nw, ns), (bn2, nw2, ns2) = tiles or _moe_tiles(T, scaled)
+    up, down = tiles or _moe_tiles(T, scaled)
+    (bn, nw, ns), ks = up[:3], _ksplit(up, D)
+    (bn2, nw2, ns2), ks2 = down[:3], _ksplit(down, I)
     quant = scaled and bn == BLOCK  # the up kernel writes h quantized
     h = torch.empty(nb * BLOCK_M, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
     sh = torch.empty(nb * BLOCK_M, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
-    _moe_up_kernel[(nb, triton.cdiv(I, bn))](
-        xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, T * kt, xq.stride(0),
-        limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant, BLOCK_M=BLOCK_M,
-        BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=nw, num_stages=ns)
+    nt = triton.cdiv(I, bn)
+    part = torch.empty(ks, nb * BLOCK_M, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
+    cnt = tickets(x.device, nb * nt) if ks > 1 else h
+    _moe_up_kernel[(nb, nt, ks)](
+        xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
+        xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, num_warps=nw, num_stages=ns)
     if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:
         hq = h
-    y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
+    y = torch.empty(ks2, T * kt, D, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(nb, triton.cdiv(D, bn2), ks2)](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
-        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
-        num_stages=ns2)
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, KSPLIT=ks2,
+        num_warps=nw2, num_stages=ns2)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
         bd = min(1024, pow2(D))
-        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids.contiguous(), out, E, D=D, KR=k, KT=kt, BD=bd, num_warps=4)
+        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids.contiguous(), out, E, T * kt, D=D, KR=k, KT=kt, KSPLIT=ks2,
+                                                 BD=bd, num_warps=4)
     return out
 
 

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref  # noqa: E402
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref  # noqa: E402
-from kernels.moe import fused_moe, fused_moe_ref  # noqa: E402
+from kernels.moe import _moe_tiles, fused_moe, fused_moe_ref  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
 
@@ -100,8 +100,12 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
-    if fp8:  # the up kernel's own quantization of h (the default) and act_quant's: the same bits
-        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((64, 4, 3), (64, 4, 3))))
+    # K split over programs: the up kernel's ranges added by each tile's last program, the down kernel's by the sum
+    for tiles in (((128 if fp8 else 64, 4, 3, 4), (64, 4, 3, 2)), ((64, 4, 3, 16), (128, 4, 3, 8))):
+        assert rel(fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=tiles), got) < 1e-3, tiles
+    if fp8:  # the up kernel's own quantization of h (the default, 128 wide) and act_quant's: the same bits
+        up, down = _moe_tiles(T, True)
+        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((64, *up[1:]), down)))
 
 
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
