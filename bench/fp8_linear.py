@@ -1,6 +1,6 @@
 """FP8 linears and grouped experts at the decode path's shapes, on one GPU: each configuration's time per call.
 
-    python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256 [--sweep] [--moe]
+    python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256 [--sweep] [--moe [--no-linears]]
 
 Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a's grouped product, wo_b):
 cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), and fp8_linear_fused (one launch)
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused  # noqa: E402
@@ -102,8 +103,8 @@ def experts(c: ModelConfig, batches, sweep: bool):
     f8 = fp8_dtype("cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     for fp8 in (True, False):
-        per_layer = E * 3 * I * D * (1 if fp8 else 2)
-        R = max(2, -(-L2_BYTES // per_layer))
+        # enough layer copies that even batch 1's experts (k + shared a layer) come from HBM
+        R = max(2, -(-L2_BYTES // ((k + c.n_shared_experts) * 3 * I * D * (1 if fp8 else 2))))
         layers = []
         for _ in range(R):
             w = [torch.randn(E, I, D, device="cuda") * 0.02, torch.randn(E, D, I, device="cuda") * 0.02,
@@ -120,18 +121,25 @@ def experts(c: ModelConfig, batches, sweep: bool):
             wt = torch.rand(M, k, device="cuda", generator=gen)
             hit = int(ids.unique().numel()) + c.n_shared_experts
             nbytes = hit * 3 * I * D * (1 if fp8 else 2)
-            default = _moe_tiles(M)
+            up, down = default = _moe_tiles(M, fp8)
             grid = [default]
-            if sweep:
-                grid += [((bn, nw, ns), (bn2, nw2, ns2)) for bn in (32, 64, 128) for nw, ns in ((4, 3), (4, 4), (8, 3))
-                         for bn2, nw2, ns2 in ((bn, nw, ns),)]
+            if sweep:  # the up kernel's (BLOCK_N, warps, stages, K ranges) with the default down, then the down's
+                grid += [((bn, nw, ns, ks), down) for bn in (32, 64, 128) for nw, ns in ((4, 3), (4, 4), (8, 3))
+                         for ks in (1, 2, 4, 8) if (bn, nw, ns, ks) != up]
+                grid += [(up, (bn, nw, ns, ks)) for bn in (32, 64, 128) for nw, ns in ((4, 3), (4, 4))
+                         for ks in (1, 2, 4) if (bn, nw, ns, ks) != down]
             row = {}
             for tiles in grid:
-                row[str(tiles)] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts,
-                                                                  tiles=tiles) for a in layers])
-            cells = "  ".join(f"{t} {v:.1f} ({nbytes / v / 1e3:.0f})" for t, v in row.items())
-            print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB): us/call (GB/s)"
-                  f"  {cells}", flush=True)
+                try:
+                    row[str(tiles)] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts,
+                                                                      tiles=tiles) for a in layers])
+                except triton.runtime.errors.OutOfResources:  # e.g. BF16 128-wide tiles at 4 stages
+                    torch.cuda.synchronize()
+            print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB), us a call"
+                  f" (weight GB/s), (up tiles), (down tiles) as (BLOCK_N, warps, stages):", flush=True)
+            for t, v in sorted(row.items(), key=lambda r: r[1]):
+                mark = "  default" if t == str(default) else ""
+                print(f"  {v:7.1f} ({nbytes / v / 1e3:4.0f})  {t}{mark}", flush=True)
         del layers
         torch.cuda.empty_cache()
 
@@ -142,11 +150,13 @@ def main():
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--sweep", action="store_true", help="time every tile shape, not only the defaults")
     ap.add_argument("--moe", action="store_true", help="also the grouped expert kernels")
+    ap.add_argument("--no-linears", action="store_true", help="skip the linears (with --moe: the experts only)")
     args = ap.parse_args()
     c = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{torch.cuda.get_device_name()}, {args.config}")
-    linears(c, batches, args.sweep)
+    if not args.no_linears:
+        linears(c, batches, args.sweep)
     if args.moe:
         experts(c, batches, args.sweep)
 
