@@ -27,6 +27,14 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def divisor_at_most(n: int, k: int) -> int:
+    """The largest divisor of n that is <= k (at least 1): a kernel's K split into equal ranges of 128-blocks."""
+    k = max(1, min(k, n))
+    while n % k:
+        k -= 1
+    return k
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU)."""
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -282,9 +290,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
     N = GN // groups
     nkb = K // BLOCK
     bm, bn, ks = blocks or _fused_blocks(M, N, K, groups)
-    ks = max(1, min(ks, nkb))
-    while nkb % ks:
-        ks -= 1
+    ks = divisor_at_most(nkb, ks)
     split = nkb // ks
     y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
     if M:

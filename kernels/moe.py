@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import act_quant, act_quant_ref, pow2, tickets, triton, use_triton
+from .fp8_gemm import act_quant, act_quant_ref, divisor_at_most, pow2, tickets, triton, use_triton
 from .quant import BLOCK, fp8_max
 
 if triton is not None:
@@ -254,10 +254,8 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr):
-        """Row block pb, columns [pn * BLOCK_N, ...) of y = h W2^T times the slot's routing weight; program ks of
-        KSPLIT takes the ks-th K range and writes its own copy of y, Y[ks] (_moe_sum_kernel adds them)."""
-        pb, pn, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pb, pn = tl.program_id(0), tl.program_id(1)
         e = tl.load(BEXP + pb)
         if e < 0:
             return
@@ -270,9 +268,7 @@ if triton is not None:
         nkb: tl.constexpr = K // BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         wbase = e.to(tl.int64) * D * K
-        NKR: tl.constexpr = K // KSPLIT // BLOCK_K  # K blocks a range
-        for j in range(NKR):
-            k0 = (ks * NKR + j) * BLOCK_K
+        for k0 in range(0, K, BLOCK_K):
             h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
             w = tl.load(W2 + wbase + rn[:, None] * K + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
             d = tl.dot(h, tl.trans(w))
@@ -285,15 +281,14 @@ if triton is not None:
         j = slot % KT  # a token's j-th slot: routed (weight WTS[token, j]) or shared (weight 1)
         wt = tl.load(WTS + (slot // KT) * KR + j, mask=valid & (j < KR), other=1.0)
         acc = acc * wt[:, None]
-        tl.store(Y + (ks * n_slots + slot[:, None]) * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
+        tl.store(Y + slot[:, None] * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
 
 
 if triton is not None:
     @triton.jit
-    def _moe_sum_kernel(Y, IDS, OUT, E, n_slots, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
-                        KSPLIT: tl.constexpr, BD: tl.constexpr):
-        """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y (each in KSPLIT parts, Y[ks]) in slot
-        order (fp32), skipping routed slots whose expert is not here (id E: never written)."""
+    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr):
+        """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y in slot order (fp32), skipping routed
+        slots whose expert is not here (id E: never written)."""
         t = tl.program_id(0).to(tl.int64)
         rd = tl.program_id(1) * BD + tl.arange(0, BD)
         md = rd < D
@@ -302,13 +297,13 @@ if triton is not None:
             here = True
             if j < KR:
                 here = tl.load(IDS + t * KR + j) < E
-            for ks in tl.static_range(KSPLIT):
-                acc += tl.load(Y + (ks * n_slots + t * KT + j) * D + rd, mask=md & here, other=0.0)
+            acc += tl.load(Y + (t * KT + j) * D + rd, mask=md & here, other=0.0)
         tl.store(OUT + t * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
-    """((BLOCK_N, warps, stages[, K ranges]) of the up kernel, the same of the down kernel) for T tokens.
+    """((BLOCK_N, warps, stages[, K ranges]) of the up kernel, (BLOCK_N, warps, stages) of the down kernel) for T
+    tokens.
     BF16: the fastest of 32 / 64 / 128-wide tiles in the engine's decode steps on an H200 (mini.yaml; up and
     down kernels a step): at 64 tokens 1,345 us against 1,385 for 32-wide; at 1 token up 32, down 64.
     FP8 (scaled): the up kernel 128 wide, one 1x128 group of h a row, which it quantizes itself (no act_quant
@@ -321,16 +316,6 @@ def _moe_tiles(T: int, scaled: bool = False):
     if not scaled:
         return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
     return ((128, 8, 3, 4) if T <= 4 else (128, 4, 3)), ((128 if T > 64 else 64), 4, 3)
-
-
-def _ksplit(tile, K: int) -> int:
-    """A kernel's K ranges from its tile spec (BLOCK_N, warps, stages[, K ranges]): at most K's 128-blocks, a
-    divisor of them."""
-    nkb = K // BLOCK
-    ks = max(1, min(tile[3] if len(tile) > 3 else 1, nkb))
-    while nkb % ks:
-        ks -= 1
-    return ks
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
@@ -352,8 +337,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     else:
         xq, sx = x, x  # unused scale operand
     up, down = tiles or _moe_tiles(T, scaled)
-    (bn, nw, ns), ks = up[:3], _ksplit(up, D)
-    (bn2, nw2, ns2), ks2 = down[:3], _ksplit(down, I)
+    (bn, nw, ns), (bn2, nw2, ns2) = up[:3], down
+    ks = divisor_at_most(D // BLOCK, up[3] if len(up) > 3 else 1)  # the up kernel's K ranges
     quant = scaled and bn == BLOCK  # the up kernel writes h quantized
     h = torch.empty(nb * BLOCK_M, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
     sh = torch.empty(nb * BLOCK_M, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
@@ -368,16 +353,15 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         hq, sh = act_quant(h, w2.dtype)
     else:
         hq = h
-    y = torch.empty(ks2, T * kt, D, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(nb, triton.cdiv(D, bn2), ks2)](
+    y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
-        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, KSPLIT=ks2,
-        num_warps=nw2, num_stages=ns2)
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
+        num_stages=ns2)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
         bd = min(1024, pow2(D))
-        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids.contiguous(), out, E, T * kt, D=D, KR=k, KT=kt, KSPLIT=ks2,
-                                                 BD=bd, num_warps=4)
+        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids.contiguous(), out, E, D=D, KR=k, KT=kt, BD=bd, num_warps=4)
     return out
 
 
