@@ -42,12 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import decode_attention, index_scores, index_topk
 from kernels.compress import compress_decode
-from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, use_triton
+from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, small_linear, use_triton
 from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
@@ -238,7 +237,7 @@ class InputGEMMs:
     def __call__(self, h) -> dict:
         out = {}
         for holder, spans in self.groups:
-            y = holder(h) if isinstance(holder, FP8Linear) else F.linear(h, holder)
+            y = holder(h) if isinstance(holder, FP8Linear) else small_linear(h, holder)
             out.update((key, y[..., a:b]) for key, a, b in spans)
         return out
 

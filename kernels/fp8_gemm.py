@@ -207,12 +207,13 @@ if triton is not None:
     @triton.jit
     def _fp8_linear_kernel(X, W, SW, Y, PART, CNT, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr,
                            KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         """Decode-size FP8 linear in one launch: program (n tile, K range s, group g x row tile) quantizes x's
         1x128 tiles of K blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the
-        weight tiles. SPLIT == 1: it stores its tile. Else it stores the range's fp32 partial in PART[s], and the
-        last of the tile's SPLIT programs to finish (a ticket counter, reset to 0 after) adds the partials in
-        range order and stores the tile: the same sum whichever program finishes last."""
+        weight tiles (not SCALED: a BF16 weight, x in its dtype, no quantization). SPLIT == 1: it stores its
+        tile. Else it stores the range's fp32 partial in PART[s], and the last of the tile's SPLIT programs to
+        finish (a ticket counter, reset to 0 after) adds the partials in range order and stores the tile: the
+        same sum whichever program finishes last."""
         pid_n, sp, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mt = tl.cdiv(M, BLOCK_M)
         g, pid_m = pid_mg // mt, pid_mg % mt
@@ -226,12 +227,16 @@ if triton is not None:
         for j in range(KS):
             kb = sp * KS + j
             w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
-            sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
             x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None],
-                        other=0.0).to(tl.float32)
-            sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
-            q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty)
-            acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
+                        other=0.0)
+            if SCALED:
+                sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
+                x = x.to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
+                q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty)
+                acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
+            else:
+                acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
         out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
         mask = mm[:, None] & mn[None, :]
         if SPLIT == 1:
@@ -281,10 +286,10 @@ def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
     return (bm, 64, 4) if groups > 1 else (bm, 32, 2)
 
 
-def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1, blocks=None):
+def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, blocks=None):
     """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype, in one launch (_fp8_linear_kernel): fp8_linear's numerics
     (1x128 activation tiles, block scales, fp32 sums), with the K blocks split over programs. blocks: (BLOCK_M,
-    BLOCK_N, K blocks a program)."""
+    BLOCK_N, K blocks a program). sw None: wq is a plain (BF16) weight, the product unquantized (small_linear)."""
     M, GK = x2.shape
     GN, K = wq.shape
     N = GN // groups
@@ -298,9 +303,11 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group
         grid = (triton.cdiv(N, bn), split, groups * triton.cdiv(M, bm))
         part = torch.empty(split, M, GN, dtype=torch.float32, device=x2.device) if split > 1 else y
         cnt = tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
-        _fp8_linear_kernel[grid](x2, wq, sw.contiguous(), y, part, cnt, M, N, x2.stride(0), wq.stride(0), y.stride(0),
-                                 fp8_max(wq.dtype), K=K, KS=ks, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
-                                 num_warps=4, num_stages=3)
+        scaled = sw is not None
+        _fp8_linear_kernel[grid](x2, wq, sw.contiguous() if scaled else wq, y, part, cnt, M, N, x2.stride(0),
+                                 wq.stride(0), y.stride(0), fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks,
+                                 SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, num_warps=4,
+                                 num_stages=3)
     return y
 
 
@@ -315,6 +322,19 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
         return fp8_linear_fused(x2, wq, sw).view(*shape[:-1], wq.shape[0])
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) for a BF16 / FP16 weight. On a GPU, up to 16 rows and 2^21 weight elements (K a multiple
+    of 128): the one-launch kernel, K split over programs (fp32 sums in another order than cuBLAS's). Measured on
+    an H200 (bench/fp8_linear.py, weights from HBM), one row / 16 rows, us a call against cuBLAS: an HCA layer's
+    BF16 input GEMM (1024 x 2048) 4.9 / 5.3 against 12.6 / 5.8; the indexer's wq_b (4096 x 512) 4.0 / 4.1 against
+    4.0 / 4.1; larger, a CSA layer's five BF16 input linears as one (2592 x 2048), 6.7 / 7.5 against 6.3 / 6.4."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (x2.shape[0] > 16 or x2.shape[1] % BLOCK or w.numel() > 1 << 21
+            or w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != w.dtype or not use_triton(x2)):
+        return torch.nn.functional.linear(x, w)
+    return fp8_linear_fused(x2, w, None).view(*x.shape[:-1], w.shape[0])
 
 
 def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fused: bool = True) -> torch.Tensor:

@@ -67,6 +67,21 @@ def test_fp8_linear_fused(M, N, K, G):
     assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+@pytest.mark.parametrize("N,K", [(2592, 2048), (1024, 2048), (4096, 512), (300, 1024)])
+def test_small_linear(M, N, K):
+    """The one-launch kernel with a BF16 weight (the engine's BF16 input GEMMs at decode sizes) against fp32,
+    and small_linear (the kernel or cuBLAS, by its rule)."""
+    from kernels.fp8_gemm import _COUNTERS, fp8_linear_fused, small_linear
+    g = torch.Generator("cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    want = x.float() @ w.float().T
+    for got in (small_linear(x, w),) + ((fp8_linear_fused(x, w, None),) if M <= 16 else ()):
+        assert got.dtype == torch.bfloat16 and rel(got, want) < 4e-3
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("M", [1, 16, 100, 256])
 @pytest.mark.parametrize("N,K,G", [(2048, 2048, 4), (1024, 512, 2)])
 def test_fp8_linear_grouped(M, N, K, G):

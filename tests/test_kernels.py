@@ -102,6 +102,9 @@ INTERPRETED = textwrap.dedent("""
         got = fp8_linear_fused(xx_, wq, ws, blocks=blocks)
         assert (got - want).abs().max() < 1e-5 * want.abs().max(), blocks
     assert int(_COUNTERS[x.device].abs().sum()) == 0  # every ticket counter is back at 0
+    # unscaled (a plain weight, the BF16 input GEMMs' path): the same split and ordered sum, no quantization
+    for blocks in ((16, 64, 1), (16, 32, 2)):
+        assert (fp8_linear_fused(x, w, None, blocks=blocks) - x @ w.T).abs().max() < 1e-5 * (x @ w.T).abs().max()
     want = fp8_gemm(*act_quant(x, torch.float8_e4m3fn), w2q, w2s, torch.float32, groups=2)
     assert (fp8_linear_fused(x, w2q, w2s, groups=2, blocks=(16, 32, 1)) - want).abs().max() < 1e-5 * want.abs().max()
     from kernels.fp8_gemm import block_quant
