@@ -20,7 +20,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused  # noqa: E402
+from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused, small_linear  # noqa: E402
 from kernels.moe import _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -98,6 +98,24 @@ def linears(c: ModelConfig, batches, sweep: bool):
               f" ({N * K / t / 1e3:4.0f})", flush=True)
 
 
+def bf16_inputs(c: ModelConfig, batches):
+    """The engine's BF16 input GEMMs (a CSA layer's compressor + indexer linears as one, an HCA layer's compressor)
+    and the indexer's wq_b: cuBLAS against small_linear (the one-launch kernel with the weight unscaled)."""
+    D, hd, ihd = c.hidden_size, c.head_dim, c.index_head_dim
+    shapes = {"csa inputs": (4 * hd + 4 * ihd + c.index_n_heads, D), "hca inputs": (2 * hd, D),
+              "index wq_b": (c.index_n_heads * ihd, c.q_lora_rank)}
+    for M in batches:
+        for name, (N, K) in shapes.items():
+            wb = [(torch.randn(N, K, device="cuda") * 0.02).bfloat16() for _ in range(copies(2 * N * K))]
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            tb = graph_us([lambda t=t: torch.nn.functional.linear(x, t) for t in wb])
+            ts = graph_us([lambda t=t: small_linear(x, t) for t in wb])
+            print(f"M {M:4d} {name:10s} N {N:5d} K {K:5d} bf16  us/call (GB/s)  cuBLAS {tb:5.1f}"
+                  f" ({2 * N * K / tb / 1e3:4.0f})  small_linear {ts:5.1f} ({2 * N * K / ts / 1e3:4.0f})", flush=True)
+            del wb
+            torch.cuda.empty_cache()
+
+
 def experts(c: ModelConfig, batches, sweep: bool):
     E, k, D, I = c.n_routed_experts + c.n_shared_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
     f8 = fp8_dtype("cuda")
@@ -158,6 +176,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, {args.config}")
     if not args.no_linears:
         linears(c, batches, args.sweep)
+        bf16_inputs(c, batches)
     if args.moe:
         experts(c, batches, args.sweep)
 
