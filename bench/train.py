@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import ModelConfig, build_model  # noqa: E402
-from model.config import load_yaml  # noqa: E402
+from model import build_model  # noqa: E402
 from model.parallel import (AdamW, clip_coef, clip_grad_norm, copy_full_state, make_actor_groups,  # noqa: E402
                             reshard, sharded_actor)
 from bench.model_fwd_bwd import matmul_peak  # noqa: E402
+from train_grpo import RunConfig  # noqa: E402
 
 
 def main(argv=None):
@@ -44,16 +44,17 @@ def main(argv=None):
                     help="torch.compile the torch twins of the fused ops (no effect where the Triton kernels run)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    run = RunConfig.load(args.config)  # the whole config validated, as train_grpo.py loads it
+    cfg = run.model
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    raw = load_yaml(args.config)
-    cfg = ModelConfig.from_dict(raw["model"], f"{args.config}: model")
-    if args.batch is None:
-        args.batch = int(raw.get("train", {}).get("micro_batch", 4))
+    if args.batch is None:  # the config's micro-batch; 0 there means a rank's whole mini-batch
+        t = run.train
+        args.batch = t.micro_batch or max(1, t.prompts_per_step * t.group_size // (t.minibatches * world))
     if args.reshard is None:
-        args.reshard = bool(raw.get("train", {}).get("reshard_after_forward", True))
+        args.reshard = run.train.reshard_after_forward
     peak = matmul_peak()
     mesh = make_actor_groups(world, args.ep, "cuda")
     model = sharded_actor(cfg, mesh, torch.bfloat16, "cuda", args.reshard)
