@@ -106,13 +106,18 @@ class Rope(nn.Module):
 
     def reset(self):
         self.inv_freq = self.compute_inv_freq(self.inv_freq.device)
-        if self.table is not None:  # in place: CUDA graphs captured over it read this memory
-            self.table.copy_(torch.stack(self._angles(torch.arange(self.table.shape[1], device=self.table.device))))
+        if self.table is not None:
+            self.precompute(self.table.shape[1])
 
     def precompute(self, n: int):
         """From now on forward gathers rows of a table of positions [0, n) instead of computing them: the same
-        values in one kernel (the rollout engine; its positions stay below its max_model_len)."""
-        self.table = torch.stack(self._angles(torch.arange(n, device=self.inv_freq.device)))
+        values in one kernel (the rollout engine; its positions stay below its max_model_len). A table of the
+        same size is refilled in place: CUDA graphs captured over it read that memory."""
+        t = torch.stack(self._angles(torch.arange(n, device=self.inv_freq.device)))
+        if self.table is not None and self.table.shape == t.shape:
+            self.table.copy_(t)
+        else:
+            self.table = t
 
     def _angles(self, pos):
         freqs = pos.float()[..., None] * self.inv_freq
