@@ -50,7 +50,7 @@ from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, 
 from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
-from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post
+from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
 from model.weights import FP8_LINEAR, load_pretrained
 
 
@@ -451,25 +451,25 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
-    tables) supplies the sequence-aware part. -> last hidden streams (1, N, n, D), routing (N, L, k) long."""
+    tables) supplies the sequence-aware part. -> logits (fp32) of the tokens last (a list of indices; None: all
+    N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials (hc_post_mix)."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
-    routing = []
+    routing, part = [], None
     for li, blk in enumerate(model.layers):
-        h, post, comb = blk.hc("attn", x)
-        x = hc_post(attention(li, blk.attn, h, tables), x, post, comb)
-        h, post, comb = blk.hc("ffn", x)
+        h, post, comb = blk.hc("attn", x, part)
+        x, part = hc_post_mix(attention(li, blk.attn, h, tables), x, post, comb, blk.hc_ffn_fn)
+        h, post, comb = blk.hc("ffn", x, part)
         y, idx = blk.ffn(h, ids[None])
-        x = hc_post(y, x, post, comb)
+        nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
+        x, part = hc_post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])
-    return x, torch.stack(routing, 1)
-
-
-def head_logits(model: Transformer, x_last):
-    """Final streams (B, n, D) -> logits (B, V) fp32."""
-    return model.head(model.hc_head(x_last)).float()
+    x = x[0]
+    if last is not None:
+        x, part = x[last], None if part is None else part[last]
+    return model.head(model.hc_head(x, part)).float(), torch.stack(routing, 1)
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
@@ -621,12 +621,12 @@ class SimpleEngine:
                     for i, s in enumerate(seqs)]
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
-        x, routing = run_layers(m, ids, pos, attention)
+        logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]])
         routing = routing.to(torch.uint8).cpu()
         for i, s in enumerate(seqs):
             s.routing.append(routing[bounds[i]:bounds[i + 1]])
             s.pos += len(chunks[i])
-        return head_logits(m, x[0, [b - 1 for b in bounds[1:]]])
+        return logits
 
     def _sample(self, seqs: list[SimpleSeq], logits):
         tok, lp = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
@@ -949,9 +949,8 @@ class Runner:
                 c.store(s, li, st, a, b)
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
-        x, routing = run_layers(m, ids, pos, attention)
-        last = [b - 1 for b in bounds[1:]]
-        return head_logits(m, x[0, last]), routing.to(torch.uint8), bounds
+        logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]])
+        return logits, routing.to(torch.uint8), bounds
 
     # -- decode -----------------------------------------------------------------------------------------
     def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
@@ -1007,8 +1006,8 @@ class Runner:
 
         def attention(li, attn, h, tables):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
-        x, routing = run_layers(self.model, ids, pos, attention)
-        out = {"logits": head_logits(self.model, x[0]), "routing": routing.to(torch.uint8)}
+        logits, routing = run_layers(self.model, ids, pos, attention)
+        out = {"logits": logits, "routing": routing.to(torch.uint8)}
         draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
         out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
         self.tok[:n].copy_(out["tok"])

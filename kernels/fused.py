@@ -2,7 +2,7 @@
 
     hc_pre(x, fn, base, scale, iters, eps, norm_eps, norm) -> collapsed [normed], post, comb   (2 kernels, not ~130)
     hc_head(x, fn, base, scale, eps, norm_eps, norm) -> collapsed [normed]
-    hc_post(out, x, post, comb) -> new streams
+    hc_post(out, x, post, comb[, fn]) -> new streams [, the next hc_pre's mix partials over them]
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
     rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
     norm_rope(x, weight, eps, cos, sin[, store])                                 (RMSNorm then rope, inference)
@@ -153,24 +153,50 @@ if triton is not None:
             tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
 
     @triton.jit
-    def _hc_post_kernel(OUT, X, POST, COMB, Y, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        t, db = tl.program_id(0), tl.program_id(1)
+    def _post_tile(OUT, X, POST, COMB, t, rd, ok, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr):
+        """Token t's new streams at columns rd, fp32 (NP, len(rd)), nothing read unless ok:
+        y_i = post_i * out + sum_j comb[j, i] * x_j."""
         ri = tl.arange(0, NP)
-        mi = ri < N_HC
-        rd = db * BLOCK + tl.arange(0, BLOCK)
-        md = rd < D
+        mi = (ri < N_HC) & ok
+        md = (rd < D) & ok
         x = tl.load(X + t * N_HC * D + ri[:, None] * D + rd[None, :], mask=mi[:, None] & md[None, :], other=0.0)
         x = x.to(tl.float32)
         out = tl.load(OUT + t * D + rd, mask=md, other=0.0).to(tl.float32)
         post = tl.load(POST + t * N_HC + ri, mask=mi, other=0.0)
-        # comb[j, i]: y_i = post_i * out + sum_j comb[j, i] * x_j
         comb = tl.load(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + ri[None, :], mask=mi[:, None] & mi[None, :],
-                       other=0.0)
-        mixed = tl.sum(comb[:, :, None] * x[:, None, :], 0)
-        y = post[:, None] * out[None, :] + mixed
+                       other=0.0)  # comb[j, i]
+        return post[:, None] * out[None, :] + tl.sum(comb[:, :, None] * x[:, None, :], 0)
+
+    @triton.jit
+    def _hc_post_kernel(OUT, X, POST, COMB, Y, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        t, db = tl.program_id(0), tl.program_id(1)
+        ri = tl.arange(0, NP)
+        rd = db * BLOCK + tl.arange(0, BLOCK)
+        y = _post_tile(OUT, X, POST, COMB, t, rd, True, N_HC, D, NP)
         tl.store(Y + t * N_HC * D + ri[:, None] * D + rd[None, :], y.to(Y.dtype.element_ty),
-                 mask=mi[:, None] & md[None, :])
+                 mask=(ri < N_HC)[:, None] & (rd < D)[None, :])
+
+    @triton.jit
+    def _hc_post_mix_kernel(OUT, X, POST, COMB, Y, FN, PART, N_HC: tl.constexpr, D: tl.constexpr,
+                            NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr):
+        """Program (s, token t): hc_post (_hc_post_kernel's arithmetic) for stream i's columns [d0, d0 + CHUNK),
+        s = i * D / CHUNK + d0 / CHUNK being that chunk of the flattened (n * D) row, then the chunk's mix
+        partials over the stored (rounded) result: _hc_mix_kernel's PART[t, s] (the next hc_pre sums them), fp32
+        products and sums."""
+        s, t = tl.program_id(0), tl.program_id(1)
+        SPLIT: tl.constexpr = N_HC * D // CHUNK
+        i = s // (D // CHUNK)
+        rd = (s % (D // CHUNK)) * CHUNK + tl.arange(0, CHUNK)
+        ri = tl.arange(0, NP)
+        rm = tl.arange(0, MIXP)
+        y = _post_tile(OUT, X, POST, COMB, t, rd, True, N_HC, D, NP)
+        y = tl.sum(tl.where(ri[:, None] == i, y, 0.0), 0).to(Y.dtype.element_ty)  # stream i's row
+        tl.store(Y + t * N_HC * D + i * D + rd, y)
+        y = y.to(tl.float32)
+        w = tl.load(FN + rm[None, :] * (N_HC * D) + i * D + rd[:, None], mask=(rm < MIX)[None, :], other=0.0)
+        acc = tl.sum(y[:, None] * w, 0)
+        tl.store(PART + (t * SPLIT + s) * MIXP + rm, tl.where(rm == MIXP - 1, tl.sum(y * y, 0), acc))
 
     @triton.jit
     def _rms_row(X, W, r, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
@@ -281,7 +307,7 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
     return w, ids
 
 
-def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool):
+def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool, part):
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
@@ -289,7 +315,9 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
     post = torch.empty(N, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
     if N:
-        part = _mix_partials(xf, fn, ssq=True)  # the hc_pre kernel sums them
+        if part is None:  # the hc_pre kernel sums them
+            part = _mix_partials(xf, fn, ssq=True)
+        assert part.shape[0] == N and part.is_contiguous(), "part: one row of partials a token (hc_post's)"
         nw, neps = norm if norm is not None else (coll, 0.0)
         block = pow2(D) if D <= 4096 else 1024
         _hc_pre_kernel[(N, 1 if head else 2)](xf, part, base.float().contiguous(), scale.float().contiguous(), nw,
@@ -299,23 +327,43 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None, part=None):
     """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32. norm: (weight, eps)
-    of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics)."""
-    return _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, head=False)
+    of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics). part: x's mix
+    partials as hc_post(..., fn) gave them (else a launch computes them)."""
+    return _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part)
 
 
-def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None):
+def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None, part=None):
     """model.Transformer.hc_head: x (..., n, D) -> (..., D) x.dtype, the pre-weighted collapse with the head's n
-    weights (sigmoid(mix * scale + base) + eps); norm as in hc_pre."""
-    return _hc_launch(x, fn, base, scale, 0, eps, norm_eps, norm, head=True)[0]
+    weights (sigmoid(mix * scale + base) + eps); norm and part as in hc_pre."""
+    return _hc_launch(x, fn, base, scale, 0, eps, norm_eps, norm, True, part)[0]
 
 
-def hc_post(out, x, post, comb):
-    """out (..., D), x (..., n, D), post (..., n), comb (..., n, n) -> (..., n, D) in x.dtype."""
+# hc_post with the next mix's partials in one launch, up to this many tokens. Measured on an H200 (mini's mHC:
+# 4 streams x 2048, 24 mix outputs), us against hc_post + the mix kernel: 1 token 1.9 against 3.8, 16 tokens 4.2
+# against 4.7, 64 tokens 11.3 against 8.0 (a program a stream chunk a token: the weights re-read per token).
+POST_MIX_TOKENS = 16
+
+
+def hc_post(out, x, post, comb, fn=None):
+    """out (..., D), x (..., n, D), post (..., n), comb (..., n, n) -> (..., n, D) in x.dtype.
+    fn: the next mHC's mix weights (m, n * D) -> (new streams, their mix partials for that hc_pre / hc_head's
+    part, from the same kernel; None past POST_MIX_TOKENS tokens or where D is not a multiple of 64)."""
     *lead, n, D = x.shape
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
+    if fn is not None:
+        if D % 64 or N > POST_MIX_TOKENS:
+            return hc_post(out, x, post, comb), None
+        chunk, mixp = 64, max(16, pow2(fn.shape[0] + 1))
+        part = torch.empty(N, n * D // chunk, mixp, dtype=torch.float32, device=x.device)
+        if N:
+            _hc_post_mix_kernel[(n * D // chunk, N)](out.contiguous(), x.contiguous(), post.contiguous(),
+                                                    comb.contiguous(), y, fn.contiguous(), part, N_HC=n, D=D,
+                                                    NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk,
+                                                    num_warps=2)
+        return y, part
     if N:
         big = N >= 1024  # training-sized: wider tiles, fewer warps (measured on an H200); decode keeps more programs
         bd = min(512 if big else 256, pow2(D))

@@ -722,13 +722,15 @@ class MoE(nn.Module):
 # manifold-constrained hyper-connections
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None, part=None):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column).
-    norm: the RMSNorm applied to the collapsed input (inside the inference kernel)."""
+    norm: the RMSNorm applied to the collapsed input (inside the inference kernel). part: hc_post_mix's
+    partials of this mHC's mix over x (the inference kernel's input; None: computed here)."""
     if fused_ok(x):  # inference: the decode-tuned forward
-        return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps))
+        return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps),
+                            part)
     if use_triton(x):  # training and scoring: forward and backward kernels
         h, post, comb = mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
     else:
@@ -760,6 +762,14 @@ def hc_post(out, x, post, comb):
     if use_triton(x):
         return mhc.hc_post(out, x, post, comb)
     return IMPL["hc_post"](out, x, post, comb)
+
+
+def hc_post_mix(out, x, post, comb, fn):
+    """hc_post, and for inference on a GPU the partials of the next mHC's mix (weights fn) over the new streams,
+    from the same kernel: -> (streams, part for that hc_pre / hc_head; None elsewhere)."""
+    if fused_ok(x):
+        return fused.hc_post(out, x, post, comb, fn)
+    return hc_post(out, x, post, comb), None
 
 
 def _hc_post(out, x, post, comb):
@@ -797,12 +807,13 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def hc(self, site, x):
-        """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb)."""
+    def hc(self, site, x, part=None):
+        """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb). part: as in
+        hc_pre."""
         c = self.cfg
         return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                      getattr(self, f"{site}_norm"))
+                      getattr(self, f"{site}_norm"), part)
 
     def forward(self, x, input_ids, ctx, replay=None):
         """x (B, T, n, D) -> (B, T, n, D), expert ids (B, T, k)."""
@@ -882,13 +893,13 @@ class Transformer(nn.Module):
         pos = torch.arange(T, device=device)
         return {"pos": pos, "main": self.rope_main(pos), "compress": self.rope_compress(pos)}
 
-    def hc_head(self, x):
+    def hc_head(self, x, part=None):
         """Final streams (B, T, n, D) -> the head's input (B, T, D): their pre-weighted collapse, normed (one
-        kernel in inference, fused.hc_head)."""
+        kernel in inference, fused.hc_head; part as in hc_pre)."""
         c = self.cfg
         if fused_ok(x):
             return fused.hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps,
-                                 (self.norm.weight, self.norm.eps))
+                                 (self.norm.weight, self.norm.eps), part)
         flat = rms_unweighted(x.flatten(-2).float(), c.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
                             + self.hc_head_base.float()) + c.hc_eps

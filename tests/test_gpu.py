@@ -195,6 +195,17 @@ def test_fused_hc_and_norms(n):
         assert rel(fused.hc_head(x[:rows], fn[:n], base[:n], sc[:1], 1e-6, 1e-6, (nm.weight, nm.eps)), want_head) < 1e-2
     out = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     assert rel(fused.hc_post(out, x, want[1], want[2]), hc_post(out, x, want[1], want[2])) < 1e-2
+    # hc_post with the next mHC's mix partials (the engine's run_layers, up to 16 tokens): hc_post's result (the
+    # same formula; the compiler may contract it into FMAs in another order, so not always the same bits), the
+    # partials against the mix kernel's, each row's the same alone and in a batch; past 16 tokens, no partials
+    y16 = fused.hc_post(out[:16], x[:16], want[1][:16], want[2][:16])
+    y, part = fused.hc_post(out[:16], x[:16], want[1][:16], want[2][:16], fn)
+    assert rel(y, y16) < 1e-3 and rel(part, fused._mix_partials(y.flatten(-2), fn, ssq=True)) < 1e-5
+    for a, b in zip(fused.hc_pre(y, fn, base, sc, 20, 1e-6, 1e-6, None, part), fused.hc_pre(y, fn, base, sc, 20, 1e-6, 1e-6)):
+        assert rel(a, b) < 1e-3
+    for rows in (1, 5):
+        assert torch.equal(fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows], fn)[1], part[:rows])
+    assert fused.hc_post(out[:17], x[:17], want[1][:17], want[2][:17], fn)[1] is None
     xb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(fused.rms_norm(xb, None, 1e-6), rms_unweighted(xb, 1e-6))
     norm = RMSNorm(512, 1e-6).cuda()
