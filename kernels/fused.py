@@ -89,7 +89,8 @@ if triton is not None:
     @triton.jit
     def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, eps, norm_eps, rms_eps, ITERS: tl.constexpr,
                        N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr):
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+                       SB: tl.constexpr):
         """Program (token t, role). Both roles sum the SPLIT partials of _hc_mix_kernel (x @ fn^T, and the sum of
         squares of x in column MIXP - 1) and scale them by the streams' rsqrt-mean-square. Role 0: pre and the
         pre-weighted collapse of the streams, RMS-normed with weight NW (eps rms_eps) when NORM. Role 1: post and
@@ -98,7 +99,7 @@ if triton is not None:
         t, role = tl.program_id(0), tl.program_id(1)
         MIX: tl.constexpr = N_HC if HEAD else (2 + N_HC) * N_HC
         rm = tl.arange(0, MIXP)
-        raw = _sum_partials(PART, t, SPLIT, MIXP, 32)
+        raw = _sum_partials(PART, t, SPLIT, MIXP, SB)
         mix = raw * tl.rsqrt(tl.sum(tl.where(rm == MIXP - 1, raw, 0.0), 0) / (N_HC * D) + norm_eps)
         b = tl.load(BASE + rm, mask=rm < MIX, other=0.0)
         ri = tl.arange(0, NP)
@@ -320,10 +321,13 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
         assert part.shape[0] == N and part.is_contiguous(), "part: one row of partials a token (hc_post's)"
         nw, neps = norm if norm is not None else (coll, 0.0)
         block = pow2(D) if D <= 4096 else 1024
+        # partials summed 128 a load (mini's 128 in one): on an H200 a call took 4.3 us at 1 token and 4.6 at 64,
+        # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4)
         _hc_pre_kernel[(N, 1 if head else 2)](xf, part, base.float().contiguous(), scale.float().contiguous(), nw,
                                               coll, post, comb, eps, norm_eps, neps, ITERS=iters, N_HC=n, D=D,
                                               NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
-                                              HEAD=head, NORM=norm is not None, num_warps=4)
+                                              HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])),
+                                              num_warps=4)
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
