@@ -345,8 +345,9 @@ def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None, part=Non
 
 
 # hc_post with the next mix's partials in one launch, up to this many tokens. Measured on an H200 (mini's mHC:
-# 4 streams x 2048, 24 mix outputs), us against hc_post + the mix kernel: 1 token 1.9 against 3.8, 16 tokens 4.2
-# against 4.7, 64 tokens 11.3 against 8.0 (a program a stream chunk a token: the weights re-read per token).
+# 4 streams x 2048, 24 mix outputs), us a call against hc_post + the mix kernel: 1 token 2.4 against 3.4, 16 tokens
+# 4.0 against 4.6; at 64 tokens (a variant looping over tokens) 11.3 against 8.0: each program reads its chunk's
+# weights, 64 MB from L2 at 64 tokens.
 POST_MIX_TOKENS = 16
 
 
