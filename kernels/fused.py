@@ -154,12 +154,11 @@ if triton is not None:
             tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
 
     @triton.jit
-    def _post_tile(OUT, X, POST, COMB, t, rd, ok, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr):
-        """Token t's new streams at columns rd, fp32 (NP, len(rd)), nothing read unless ok:
-        y_i = post_i * out + sum_j comb[j, i] * x_j."""
+    def _post_tile(OUT, X, POST, COMB, t, rd, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr):
+        """Token t's new streams at columns rd, fp32 (NP, len(rd)): y_i = post_i * out + sum_j comb[j, i] * x_j."""
         ri = tl.arange(0, NP)
-        mi = (ri < N_HC) & ok
-        md = (rd < D) & ok
+        mi = ri < N_HC
+        md = rd < D
         x = tl.load(X + t * N_HC * D + ri[:, None] * D + rd[None, :], mask=mi[:, None] & md[None, :], other=0.0)
         x = x.to(tl.float32)
         out = tl.load(OUT + t * D + rd, mask=md, other=0.0).to(tl.float32)
@@ -174,7 +173,7 @@ if triton is not None:
         t, db = tl.program_id(0), tl.program_id(1)
         ri = tl.arange(0, NP)
         rd = db * BLOCK + tl.arange(0, BLOCK)
-        y = _post_tile(OUT, X, POST, COMB, t, rd, True, N_HC, D, NP)
+        y = _post_tile(OUT, X, POST, COMB, t, rd, N_HC, D, NP)
         tl.store(Y + t * N_HC * D + ri[:, None] * D + rd[None, :], y.to(Y.dtype.element_ty),
                  mask=(ri < N_HC)[:, None] & (rd < D)[None, :])
 
@@ -191,7 +190,7 @@ if triton is not None:
         rd = (s % (D // CHUNK)) * CHUNK + tl.arange(0, CHUNK)
         ri = tl.arange(0, NP)
         rm = tl.arange(0, MIXP)
-        y = _post_tile(OUT, X, POST, COMB, t, rd, True, N_HC, D, NP)
+        y = _post_tile(OUT, X, POST, COMB, t, rd, N_HC, D, NP)
         y = tl.sum(tl.where(ri[:, None] == i, y, 0.0), 0).to(Y.dtype.element_ty)  # stream i's row
         tl.store(Y + t * N_HC * D + i * D + rd, y)
         y = y.to(tl.float32)
@@ -221,17 +220,25 @@ if triton is not None:
         tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=rd < D)
 
 
-def _mix_partials(x, w, chunk: int = 64, ssq: bool = False):
-    """x (M, K) any float dtype, w (N, K) small N -> (M, ceil(K / chunk), >= 16) fp32 partial sums of x @ w^T
-    over column chunks: enough programs to fill the GPU at M = 1, and batch-invariant (see _hc_mix_kernel).
+MIX_CHUNK = 64  # columns a mix partial sums (_mix_partials and hc_post's: one layout)
+
+
+def _mix_width(n: int, ssq: bool) -> int:
+    """A row of mix partials: n products [and the sum of squares in the last column], >= 16 wide."""
+    return max(16, pow2(n + ssq))
+
+
+def _mix_partials(x, w, ssq: bool = False):
+    """x (M, K) any float dtype, w (N, K) small N -> (M, ceil(K / MIX_CHUNK), _mix_width) fp32 partial sums of
+    x @ w^T over column chunks: enough programs to fill the GPU at M = 1, and batch-invariant (see _hc_mix_kernel).
     ssq: the last column holds each chunk's sum of squares of x (the width leaves one past the N products).
     (cuBLAS took two casts, an fp32 GEMM and a split-K reduction for these skinny products.)
     Chunk, BK and warps: the fastest of chunk 64/128/256 x BK 16/32/64 x 2/4 warps on an H200 for mini.yaml's
     mHC (K 8,192, 24 outputs) and router (K 2,048, 32): 1.8 us at M = 1 (chunk 256, 4 warps: 4.1), 5.6 and
     2.5 us at M = 64 (9.2 and 4.4)."""
     M, K = x.shape
-    n, bm = w.shape[0], 4
-    mixp = max(16, pow2(n + ssq))
+    n, bm, chunk = w.shape[0], 4, MIX_CHUNK
+    mixp = _mix_width(n, ssq)
     bk = max(8, min(chunk, 8192 // (bm * mixp)))
     split = triton.cdiv(K, chunk)
     part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
@@ -354,14 +361,14 @@ POST_MIX_TOKENS = 16
 def hc_post(out, x, post, comb, fn=None):
     """out (..., D), x (..., n, D), post (..., n), comb (..., n, n) -> (..., n, D) in x.dtype.
     fn: the next mHC's mix weights (m, n * D) -> (new streams, their mix partials for that hc_pre / hc_head's
-    part, from the same kernel; None past POST_MIX_TOKENS tokens or where D is not a multiple of 64)."""
+    part, from the same kernel; None past POST_MIX_TOKENS tokens or where D is not a multiple of MIX_CHUNK)."""
     *lead, n, D = x.shape
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
     if fn is not None:
-        if D % 64 or N > POST_MIX_TOKENS:
+        if D % MIX_CHUNK or N > POST_MIX_TOKENS:
             return hc_post(out, x, post, comb), None
-        chunk, mixp = 64, max(16, pow2(fn.shape[0] + 1))
+        chunk, mixp = MIX_CHUNK, _mix_width(fn.shape[0], True)
         part = torch.empty(N, n * D // chunk, mixp, dtype=torch.float32, device=x.device)
         if N:
             _hc_post_mix_kernel[(n * D // chunk, N)](out.contiguous(), x.contiguous(), post.contiguous(),
