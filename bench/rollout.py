@@ -175,7 +175,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     res = {"device": torch.cuda.get_device_name(), "config": args.config, "torch": torch.__version__,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+           # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
+           "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                    text=True).stdout.strip()}
     res["copy_gb_s"] = copy_bandwidth() / 1e9
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
     batches = [int(b) for b in args.batches.split(",") if b]
