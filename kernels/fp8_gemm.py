@@ -53,16 +53,25 @@ def act_quant_ref(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torc
     return q.view(M, K), s
 
 
+# tiles of a row an act_quant program takes: one 1x128 tile a program (the old kernel) took 3.7 us at 64 x 8192
+# and 11.1 at 256 x 8192 on an H200 (bench/fp8_linear.py), launch-bound by its 4-16k tiny programs
+ACT_TILES = 8
+
 if triton is not None:
     @triton.jit
-    def _act_quant_kernel(X, Q, S, stride_x, fmax, BLOCK_K: tl.constexpr):
-        m, kb = tl.program_id(0), tl.program_id(1)
-        offs = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m * stride_x + offs).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(x)), 1e-12) / fmax
-        q = tl.clamp(x / s, -fmax, fmax)
-        tl.store(Q + m * tl.num_programs(1) * BLOCK_K + offs, q.to(Q.dtype.element_ty))
-        tl.store(S + m * tl.num_programs(1) + kb, s)
+    def _act_quant_kernel(X, Q, S, NKB, stride_x, fmax, TILES: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (m, j): row m's 1x128 tiles [j*TILES, (j+1)*TILES) as one (TILES, 128) block."""
+        m, j = tl.program_id(0), tl.program_id(1)
+        t = j * TILES + tl.arange(0, TILES)
+        mask = (t < NKB)[:, None]
+        offs = t[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(X + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        # IEEE divisions (the torch reference's on GPU): `/` is approximate and, over 4M values, rounded one
+        # value to another fp8 byte
+        s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), fmax)
+        q = tl.clamp(tl.div_rn(x, s[:, None]), -fmax, fmax)
+        tl.store(Q + m * NKB * BLOCK_K + offs, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + m * NKB + t, s, mask=t < NKB)
 
 
 def act_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +83,10 @@ def act_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Te
     q = torch.empty(M, K, dtype=fp8, device=x.device)
     s = torch.empty(M, K // BLOCK, dtype=torch.float32, device=x.device)
     if M:
-        _act_quant_kernel[(M, K // BLOCK)](x, q, s, x.stride(0), fp8_max(fp8), BLOCK_K=BLOCK)
+        nkb = K // BLOCK
+        tiles = min(ACT_TILES, pow2(nkb))
+        _act_quant_kernel[(M, triton.cdiv(nkb, tiles))](x, q, s, nkb, x.stride(0), fp8_max(fp8), TILES=tiles,
+                                                          BLOCK_K=BLOCK)
     return q, s
 
 
@@ -136,51 +148,27 @@ def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
     return (x @ w.T).to(out_dtype)
 
 
-if triton is not None:
-    @triton.jit
-    def _fp8_gemm_kernel(X, SX, W, SW, Y, M, N, stride_x, stride_sx, stride_w, stride_y, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """G = grid dim 2 independent GEMMs in one launch: group g multiplies x[:, g*K:(g+1)*K] by weight rows
-        [g*N, (g+1)*N) into y[:, g*N:(g+1)*N] (G = 1: the plain GEMM)."""
-        pid_m, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        mm, mn = rm < M, rn < N
-        nkb = tl.cdiv(K, BLOCK_K)
-        wrow = g * N + rn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kb = k0 // BLOCK_K
-            x = tl.load(X + rm[:, None] * stride_x + g * K + (k0 + rk)[None, :], mask=mm[:, None], other=0.0)
-            w = tl.load(W + wrow[:, None] * stride_w + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
-            sx = tl.load(SX + rm * stride_sx + g * nkb + kb, mask=mm, other=0.0)
-            sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
-            acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
-        tl.store(Y + rm[:, None] * stride_y + g * N + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mm[:, None] & mn[None, :])
-
-
-def _gemm_blocks(M: int, N: int) -> tuple[int, int]:
-    """Tile sizes. At decode shapes (mini.yaml's linears, M <= 256) each call is latency-bound; these widths
-    were the fastest of 16/32/64/128 per (M, N) measured by bench/fp8_linear.py on an H200."""
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    if M <= 16:
-        return bm, 32
+def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, K blocks a program) of fp8_gemm (_fp8_linear_kernel on act_quant's output). At decode
+    sizes each call is latency-bound, so the K blocks are split over programs. Picked from 24 shapes at 32-256 rows
+    x mini's linears (bench/fp8_linear.py, H200; each within 0.4 us of the fastest): up to 64 rows 32-wide tiles
+    and 4-block ranges; up to 256 rows 64 x 64 tiles, 8-block ranges, 128 wide where that would exceed 256
+    programs (wq_b's 8192 rows at 256: 6.8 us against 8.7). Past 256 rows (prefill) no split: each range's fp32
+    partial would cost M x N x 4 bytes."""
+    nkb = K // BLOCK
     if M <= 64:
-        return bm, 16 if N <= 2048 else 32
-    return bm, 16 if N <= 1024 else 64
-
-
-# software-pipeline depth of _fp8_gemm_kernel: its loop is one weight tile per 128 K, latency-bound at decode sizes.
-# 5 against 3 on an H200 (bench): 64 rows x mini's linears 6.4-6.8 us against 8.2-8.5 (wq_b 4.2 / 4.5); in the
-# engine's batch-64 FP8 step 2,705 us of GPU work against 2,718, batch 256 5,167 against 5,191.
-GEMM_STAGES = 5
+        return (16 if M <= 16 else 32 if M <= 32 else 64), 32, 4
+    if M > 256:
+        return 64, 64, nkb
+    ks = 8
+    programs = triton.cdiv(N, 64) * triton.cdiv(M, 64) * groups * (nkb // divisor_at_most(nkb, ks))
+    return 64, (128 if programs > 256 else 64), ks
 
 
 def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int = 1) -> torch.Tensor:
     """xq (M, G*K) fp8, sx (M, G*K/128); wq (G*N, K) fp8, sw (ceil(G*N/128), K/128) -> (M, G*N): with groups G > 1
-    the block-diagonal product (group g: x's g-th K columns times the g-th N weight rows; N % 128 == 0)."""
+    the block-diagonal product (group g: x's g-th K columns times the g-th N weight rows; N % 128 == 0).
+    blocks: (BLOCK_M, BLOCK_N, K blocks a program)."""
     M, GK = xq.shape
     GN, K = wq.shape
     N = GN // groups
@@ -193,24 +181,20 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
         return torch.cat([fp8_gemm_ref(xq[:, g * K:(g + 1) * K], sx[:, g * (K // BLOCK):(g + 1) * (K // BLOCK)],
                                        wq[g * N:(g + 1) * N], sw[g * r:(g + 1) * r] if groups > 1 else sw, out_dtype)
                           for g in range(groups)], 1)
-    y = torch.empty(M, GN, dtype=out_dtype, device=xq.device)
-    if M:
-        bm, bn = blocks or _gemm_blocks(M, N)
-        sx = sx.contiguous()
-        _fp8_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), groups)](
-            xq, sx, wq, sw.contiguous(), y, M, N, xq.stride(0), sx.stride(0), wq.stride(0), y.stride(0), K=K,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=GEMM_STAGES)
-    return y
+    # pipeline depth: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3 faster at 256)
+    return fp8_linear_fused(xq, wq, sw, groups, blocks or _gemm_blocks(M, N, K, groups), sx=sx, out_dtype=out_dtype,
+                            stages=5 if M <= 64 else 3)
 
 
 if triton is not None:
     @triton.jit
-    def _fp8_linear_kernel(X, W, SW, Y, PART, CNT, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr,
-                           KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
-        """Decode-size FP8 linear in one launch: program (n tile, K range s, group g x row tile) quantizes x's
-        1x128 tiles of K blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the
-        weight tiles (not SCALED: a BF16 weight, x in its dtype, no quantization). SPLIT == 1: it stores its
+    def _fp8_linear_kernel(X, SX, W, SW, Y, PART, CNT, M, N, stride_x, stride_sx, stride_w, stride_y, fmax,
+                           K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, XQ: tl.constexpr):
+        """The FP8 linear / GEMM: program (n tile, K range s, group g x row tile) quantizes x's 1x128 tiles of K
+        blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the weight tiles (XQ: x
+        is act_quant's output, SX its scales: fp8_gemm; not SCALED: a BF16 weight, x in its dtype, no
+        quantization). SPLIT == 1: it stores its
         tile. Else it stores the range's fp32 partial in PART[s], and the last of the tile's SPLIT programs to
         finish (a ticket counter, reset to 0 after) adds the partials in range order and stores the tile: the
         same sum whichever program finishes last."""
@@ -229,7 +213,11 @@ if triton is not None:
             w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
             x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None],
                         other=0.0)
-            if SCALED:
+            if XQ:  # x already quantized (act_quant): its tiles' scales from SX
+                sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
+                sx = tl.load(SX + rm * stride_sx + g * nkb + kb, mask=mm, other=0.0)
+                acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
+            elif SCALED:
                 sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
                 x = x.to(tl.float32)
                 sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
@@ -267,12 +255,11 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     return cnt
 
 
-def use_fused(M: int, K: int) -> bool:
-    """Whether fp8_linear takes the one-launch kernel rather than act_quant + fp8_gemm: up to 16 rows, or up to 64
-    with K >= 1024, where bench/fp8_linear.py measured it faster on an H200 (mini.yaml's linears, weights read from
-    HBM: 4.2-6.3 us a call at 1-16 rows against 4.7-10.4 for the two launches; at 64 rows 7.9-10.9 against
-    10.1-12.3 for K 2048, 7.1-7.8 against 5.7-6.1 for K 512; at 256 rows the two launches win)."""
-    return M <= 16 or (M <= 64 and K >= 1024)
+# fp8_linear takes the one-launch kernel (x quantized in each program) up to this many rows, act_quant + fp8_gemm
+# past them. bench/fp8_linear.py on an H200, mini's linears from HBM, us a call: at 1-16 rows one launch 4.2-6.3
+# against 4.7-10.4; at 24-64 rows the two launches 5.8-8.9 against 6.3-11.0 (one launch wins only wq_a+wkv at
+# 24-32 rows, by 0.2 us).
+FUSED_ROWS = 16
 
 
 def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
@@ -286,10 +273,13 @@ def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
     return (bm, 64, 4) if groups > 1 else (bm, 32, 2)
 
 
-def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, blocks=None):
+def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, blocks=None,
+                     sx: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, warps: int = 4,
+                     stages: int = 3):
     """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype, in one launch (_fp8_linear_kernel): fp8_linear's numerics
     (1x128 activation tiles, block scales, fp32 sums), with the K blocks split over programs. blocks: (BLOCK_M,
-    BLOCK_N, K blocks a program). sw None: wq is a plain (BF16) weight, the product unquantized (small_linear)."""
+    BLOCK_N, K blocks a program). sw None: wq is a plain (BF16) weight, the product unquantized (small_linear).
+    sx given: x2 is already quantized (act_quant's xq and sx), the output out_dtype."""
     M, GK = x2.shape
     GN, K = wq.shape
     N = GN // groups
@@ -297,17 +287,19 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
     bm, bn, ks = blocks or _fused_blocks(M, N, K, groups)
     ks = divisor_at_most(nkb, ks)
     split = nkb // ks
-    y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
+    y = torch.empty(M, GN, dtype=out_dtype or x2.dtype, device=x2.device)
     if M:
         x2 = x2.contiguous()
         grid = (triton.cdiv(N, bn), split, groups * triton.cdiv(M, bm))
         part = torch.empty(split, M, GN, dtype=torch.float32, device=x2.device) if split > 1 else y
         cnt = tickets(x2.device, grid[0] * grid[2]) if split > 1 else y
         scaled = sw is not None
-        _fp8_linear_kernel[grid](x2, wq, sw.contiguous() if scaled else wq, y, part, cnt, M, N, x2.stride(0),
-                                 wq.stride(0), y.stride(0), fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks,
-                                 SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, num_warps=4,
-                                 num_stages=3)
+        sx = sx.contiguous() if sx is not None else None
+        _fp8_linear_kernel[grid](x2, x2 if sx is None else sx, wq, sw.contiguous() if scaled else wq, y, part, cnt,
+                                 M, N, x2.stride(0), 0 if sx is None else sx.stride(0), wq.stride(0), y.stride(0),
+                                 fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, SPLIT=split, BLOCK_M=bm,
+                                 BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=warps,
+                                 num_stages=stages)
     return y
 
 
@@ -318,7 +310,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
     if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
         from .quant import dequant_fp8_block
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
-    if use_fused(*x2.shape) and use_triton(x2):
+    if x2.shape[0] <= FUSED_ROWS and use_triton(x2):
         return fp8_linear_fused(x2, wq, sw).view(*shape[:-1], wq.shape[0])
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
@@ -347,7 +339,7 @@ def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fuse
         return torch.stack([fp8_linear(x[..., g, :], wq[g * rows:(g + 1) * rows], sw[g * r:(g + 1) * r])
                             for g in range(G)], dim=-2)
     x2 = x.reshape(-1, G * Kg)
-    if use_fused(x2.shape[0], Kg) and use_triton(x2):
+    if x2.shape[0] <= FUSED_ROWS and use_triton(x2):
         return fp8_linear_fused(x2, wq, sw, groups=G).view(*x.shape[:-1], rows)
     xq, sx = act_quant(x2, wq.dtype)
     return fp8_gemm(xq, sx, wq, sw, x.dtype, groups=G).view(*x.shape[:-1], rows)

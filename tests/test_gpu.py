@@ -16,9 +16,11 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("M", [1, 16, 100, 512])
-def test_act_quant_bit_exact(M):
+@pytest.mark.parametrize("K", [384, 2048, 8192])
+def test_act_quant_bit_exact(M, K):
+    """Every row's tiles, ACT_TILES a program (K 384: one program's block past the row's 3 tiles, masked)."""
     f8 = fp8_dtype("cuda")
-    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
     q, s = act_quant(x, f8)
     qr, sr = act_quant_ref(x, f8)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.allclose(s, sr)
@@ -35,16 +37,23 @@ def test_block_quant_bit_exact(shape, dtype):
     assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr)
 
 
-@pytest.mark.parametrize("M", [1, 16, 64, 256])
-@pytest.mark.parametrize("N,K", [(2048, 2048), (8192, 512), (512, 2048), (4096, 8192)])
+@pytest.mark.parametrize("M", [1, 16, 40, 64, 100, 256, 300])
+@pytest.mark.parametrize("N,K", [(2048, 2048), (8192, 512), (512, 2048), (4096, 8192), (300, 1024)])
 def test_fp8_gemm(M, N, K):
+    """fp8_gemm's tiles and K ranges at each size (split over programs up to 256 rows, none past) against the
+    reference; repeated launches give the same bits and leave the ticket counters at 0."""
+    from kernels.fp8_gemm import _COUNTERS
     f8 = fp8_dtype("cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     wq, ws = quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02, f8, scale_fmt="fp32")
     xq, sx = act_quant(x, f8)
+    got = fp8_gemm(xq, sx, wq, ws, torch.float32)
     # Hopper's FP8 tensor cores accumulate a 128-wide K block at reduced precision (hence the per-block fp32
     # promotion in the kernel); the reference accumulates in full fp32
-    assert rel(fp8_gemm(xq, sx, wq, ws, torch.float32), fp8_gemm_ref(xq, sx, wq, ws)) < 1e-3
+    assert rel(got, fp8_gemm_ref(xq, sx, wq, ws)) < 1e-3
+    again = torch.stack([fp8_gemm(xq, sx, wq, ws, torch.float32) for _ in range(20)])
+    assert torch.equal(again, got.expand_as(again))
+    assert int(_COUNTERS[x.device].abs().sum()) == 0 if x.device in _COUNTERS else True
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 40, 64, 100, 256])

@@ -93,6 +93,17 @@ INTERPRETED = textwrap.dedent("""
     y2 = torch.cat([fp8_gemm_ref(xq[:, 128 * i:128 * (i + 1)], sx[:, i:i + 1], w2q[128 * i:128 * (i + 1)],
                                  w2s[i:i + 1]) for i in range(2)], 1)
     assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, groups=2) - y2).abs().max() < 1e-4
+    # K split over programs (one block a range), one launch per group pair too
+    from kernels.fp8_gemm import _COUNTERS
+    assert (fp8_gemm(xq, sx, wq, ws, torch.float32, blocks=(16, 32, 1)) - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
+    assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, blocks=(16, 32, 1), groups=2) - y2).abs().max() < 1e-4
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    # act_quant: 3 tiles a row (the program's 4-tile block masked past them); the scales exactly, the bytes where
+    # the interpreter's fp8 cast rounds as torch's (see block_quant below)
+    from kernels.fp8_gemm import act_quant
+    x3 = torch.randn(5, 384, generator=g) * 3
+    (q3, s3), (q3r, s3r) = act_quant(x3, torch.float8_e4m3fn), act_quant_ref(x3, torch.float8_e4m3fn)
+    assert torch.equal(s3, s3r) and (q3.view(torch.uint8) == q3r.view(torch.uint8)).float().mean() > 0.95
     # the one-launch kernel quantizes in the kernel, as the act_quant kernel does (the interpreter's fp8 casts
     # differ from torch's, so the comparison is with the two-launch kernel path): K ranges added by the last
     # program of a tile (split > 1), or stored directly; several row tiles; two groups
