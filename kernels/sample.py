@@ -28,6 +28,15 @@ if triton is not None:
         return (x >> 16) ^ x
 
     @triton.jit
+    def _mix32u(x):
+        """_mix32 on uint32 x: the same bits, since _mix32 keeps only the low 32 bits of each product (no int64
+        multiplies, which the vocabulary loop's 2 a logit made its largest cost)."""
+        c = tl.full((), 0x45D9F3B, tl.uint32)
+        x = ((x >> 16) ^ x) * c
+        x = ((x >> 16) ^ x) * c
+        return (x >> 16) ^ x
+
+    @triton.jit
     def _sample_part_kernel(LOGITS, TEMP, SEEDS, STEPS, PART, V, stride, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
                             BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         b, sp = tl.program_id(0), tl.program_id(1)
@@ -35,8 +44,9 @@ if triton is not None:
         greedy = t == 0
         t = tl.where(greedy, 1.0, t)
         seed = tl.load(SEEDS + b)
-        h0 = _mix32(seed ^ _mix32(tl.load(STEPS + b) * 0x27D4EB2D + 0x165667B1))
-        hi = seed >> 32
+        h0 = _mix32(seed ^ _mix32(tl.load(STEPS + b) * 0x27D4EB2D + 0x165667B1)).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)  # the low 32 bits: all that reach _mix32's first product
+        golden = tl.full((), 0x9E3779B1, tl.uint32)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int64)
         best_s = tl.full((), float("-inf"), tl.float32)
@@ -47,7 +57,7 @@ if triton is not None:
             v = c0 + tl.arange(0, BLOCK)
             mv = v < V
             s = tl.div_rn(tl.load(LOGITS + b * stride + v, mask=mv, other=float("-inf")), t)
-            h = _mix32(h0 ^ _mix32(v.to(tl.int64) * 0x9E3779B1 + hi))
+            h = _mix32u(h0 ^ _mix32u(v.to(tl.uint32) * golden + hi))
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
             if LIBDEVICE:  # the log torch's CUDA/HIP kernels use (the interpreter has none: numpy's)
                 g = -libdevice.log(-libdevice.log(u))
