@@ -66,10 +66,10 @@ if triton is not None:
         mask = (t < NKB)[:, None]
         offs = t[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         x = tl.load(X + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        # IEEE divisions (the torch reference's on GPU): `/` is approximate and, over 4M values, rounded one
-        # value to another fp8 byte
-        s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), fmax)
-        q = tl.clamp(tl.div_rn(x, s[:, None]), -fmax, fmax)
+        # the one-launch linear's and the MoE up kernel's arithmetic (they must give the same bytes); torch's
+        # differs in rare last bits (its scale is amax times 1/fmax, its x / s IEEE), see test_act_quant_bit_exact
+        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
+        q = tl.clamp(x / s[:, None], -fmax, fmax)
         tl.store(Q + m * NKB * BLOCK_K + offs, q.to(Q.dtype.element_ty), mask=mask)
         tl.store(S + m * NKB + t, s, mask=t < NKB)
 
