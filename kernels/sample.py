@@ -21,19 +21,15 @@ if triton is not None:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _mix32(x):
-        x = x & 0xFFFFFFFF
-        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
-        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
-        return (x >> 16) ^ x
+    def _u32(c: tl.constexpr):
+        return tl.full((), c, tl.uint32)
 
     @triton.jit
-    def _mix32u(x):
-        """_mix32 on uint32 x: the same bits, since _mix32 keeps only the low 32 bits of each product (no int64
-        multiplies, which the vocabulary loop's 2 a logit made its largest cost)."""
-        c = tl.full((), 0x45D9F3B, tl.uint32)
-        x = ((x >> 16) ^ x) * c
-        x = ((x >> 16) ^ x) * c
+    def _mix32(x):
+        """rollout_server._mix32 on uint32 x: the same bits, since the torch twin keeps only the low 32 bits of
+        each int64 product and sum (64-bit multiplies were the vocabulary loop's largest cost)."""
+        x = ((x >> 16) ^ x) * _u32(0x45D9F3B)
+        x = ((x >> 16) ^ x) * _u32(0x45D9F3B)
         return (x >> 16) ^ x
 
     @triton.jit
@@ -44,9 +40,10 @@ if triton is not None:
         greedy = t == 0
         t = tl.where(greedy, 1.0, t)
         seed = tl.load(SEEDS + b)
-        h0 = _mix32(seed ^ _mix32(tl.load(STEPS + b) * 0x27D4EB2D + 0x165667B1)).to(tl.uint32)
-        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)  # the low 32 bits: all that reach _mix32's first product
-        golden = tl.full((), 0x9E3779B1, tl.uint32)
+        # of the int64 seed and step only the low 32 bits of each word reach the hash (the twin masks them)
+        step = (tl.load(STEPS + b) & 0xFFFFFFFF).to(tl.uint32)
+        h0 = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(step * _u32(0x27D4EB2D) + _u32(0x165667B1)))
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.full((), 0, tl.int64)
         best_s = tl.full((), float("-inf"), tl.float32)
@@ -57,7 +54,7 @@ if triton is not None:
             v = c0 + tl.arange(0, BLOCK)
             mv = v < V
             s = tl.div_rn(tl.load(LOGITS + b * stride + v, mask=mv, other=float("-inf")), t)
-            h = _mix32u(h0 ^ _mix32u(v.to(tl.uint32) * golden + hi))
+            h = _mix32(h0 ^ _mix32(v.to(tl.uint32) * _u32(0x9E3779B1) + hi))
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
             if LIBDEVICE:  # the log torch's CUDA/HIP kernels use (the interpreter has none: numpy's)
                 g = -libdevice.log(-libdevice.log(u))
