@@ -274,8 +274,7 @@ def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
 
 
 def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, blocks=None,
-                     sx: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, warps: int = 4,
-                     stages: int = 3):
+                     sx: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, stages: int = 3):
     """x2 (M, G*K) bf16/fp32 -> (M, G*N) in x2's dtype, in one launch (_fp8_linear_kernel): fp8_linear's numerics
     (1x128 activation tiles, block scales, fp32 sums), with the K blocks split over programs. blocks: (BLOCK_M,
     BLOCK_N, K blocks a program). sw None: wq is a plain (BF16) weight, the product unquantized (small_linear).
@@ -298,7 +297,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
         _fp8_linear_kernel[grid](x2, x2 if sx is None else sx, wq, sw.contiguous() if scaled else wq, y, part, cnt,
                                  M, N, x2.stride(0), 0 if sx is None else sx.stride(0), wq.stride(0), y.stride(0),
                                  fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, SPLIT=split, BLOCK_M=bm,
-                                 BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=warps,
+                                 BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=4,
                                  num_stages=stages)
     return y
 
