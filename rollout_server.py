@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     max_tokens: int = 16
-    seed: int | None = None       # per request: sequence i of a generate() call samples with (seed, i)
+    seed: int | None = None       # per request: sequence i of a generate() call samples with (seed, first_index + i)
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -635,9 +635,12 @@ class SimpleEngine:
             s.logprobs.append(l)
             s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 first_index: int = 0) -> list[Output]:
+        """first_index: the index of prompts[0] in a larger request (Engine.generate)."""
         params = check_prompts(prompts, params, self.cfg.vocab_size)
-        seqs = [SimpleSeq(i, p, params[i], self.model, self.device, self.dtype) for i, p in enumerate(prompts)]
+        seqs = [SimpleSeq(first_index + i, p, params[i], self.model, self.device, self.dtype)
+                for i, p in enumerate(prompts)]
         same: dict[tuple, list[SimpleSeq]] = {}
         for s in seqs:  # a GRPO group shares its prompt: prefill once
             same.setdefault(tuple(s.prompt), []).append(s)
@@ -1154,13 +1157,16 @@ class Engine:
         update_weights(self.model, named_tensors)
 
     # -- scheduling -------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 first_index: int = 0) -> list[Output]:
+        """first_index: the index of prompts[0] in a larger request sent in pieces (the CLI's chunks). Sequence i
+        samples with (its seed, first_index + i), so the pieces give what one call would."""
         params = check_prompts(prompts, params, self.cfg.vocab_size)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "
                                  f"max_model_len {self.max_model_len}")
-        seqs = [Sequence(i, p, params[i]) for i, p in enumerate(prompts)]
+        seqs = [Sequence(first_index + i, p, params[i]) for i, p in enumerate(prompts)]
         leaders: dict[tuple, Sequence] = {}
         for s in seqs:  # a GRPO group shares its prompt: one prefill, blocks shared
             lead = leaders.setdefault(tuple(s.prompt), s)
@@ -1857,8 +1863,11 @@ class RolloutClient:
 # command line
 
 
-def read_prompts(path: Path, tokenizer) -> list[list[int]]:
-    """JSONL: a list of token ids, or {"prompt_token_ids": [...]}, or {"prompt": "text"} (needs --tokenizer)."""
+def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dict]]:
+    """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
+    --tokenizer), the object optionally with SamplingParams fields for that prompt ("max_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"). -> (token ids, sampling overrides) a prompt."""
+    fields = set(SamplingParams.__dataclass_fields__)
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -1867,15 +1876,29 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
             d = json.loads(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
-        if isinstance(d, dict) and "prompt_token_ids" in d:
-            d = d["prompt_token_ids"]
-        elif isinstance(d, dict) and "prompt" in d:
-            if tokenizer is None:
-                raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
-            d = tokenizer.apply_chat(d["prompt"])
+        over = {}
+        if isinstance(d, dict):
+            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt")}
+            bad = sorted(set(over) - fields)
+            if bad:
+                raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
+                                 f"prompt, and {', '.join(sorted(fields))})")
+            try:
+                SamplingParams(**over)
+            except (TypeError, ValueError) as e:
+                raise SystemExit(f"{path}:{n}: bad sampling parameters ({e})")
+            if "prompt_token_ids" in d:
+                d = d["prompt_token_ids"]
+            elif "prompt" in d:
+                if tokenizer is None:
+                    raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
+                d = tokenizer.apply_chat(d["prompt"])
         if not isinstance(d, list) or not d or not all(isinstance(t, int) for t in d):
             raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
-        out.append(d)
+        bad = [t for t in d if not 0 <= t < vocab]
+        if bad:
+            raise SystemExit(f"{path}:{n}: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+        out.append((d, over))
     if not out:
         raise SystemExit(f"{path}: no prompts")
     return out
@@ -1941,16 +1964,19 @@ def main(argv=None):
         return
     if args.prompts is None or args.out is None:
         raise SystemExit("--prompts and --out are required (or --bench)")
-    prompts = [p for p in read_prompts(args.prompts, tok) for _ in range(args.n)]
-    with open(args.out, "w") as f:
+    lines = [r for r in read_prompts(args.prompts, tok, engine.cfg.vocab_size) for _ in range(args.n)]
+    prompts = [p for p, _ in lines]
+    params = [replace(sp, **over) if over else sp for _, over in lines]
+    with open(args.out, "w") as f:  # a chunk's completions are on disk before the next chunk starts
         for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
-            part = prompts[start:start + args.chunk]
-            for i, o in enumerate(engine.generate(part, sp)):
+            end = start + args.chunk
+            for i, o in enumerate(engine.generate(prompts[start:end], params[start:end], first_index=start)):
                 rec = {"index": start + i, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
                        "logprobs": o.logprobs, "finish_reason": o.finish_reason}
                 if tok is not None:
                     rec["text"] = tok.decode(o.token_ids)
                 f.write(json.dumps(rec) + "\n")
+            f.flush()
     print(f"wrote {len(prompts)} completions to {args.out}")
 
 

@@ -70,6 +70,42 @@ def test_sampling_and_shared_prefixes_match_the_simple_engine(model):
     # a request's samples do not depend on the rest of the batch
     alone = eng.generate(prompts[0:1], sp)
     assert alone[0].token_ids == b[0].token_ids  # sequence index 0 of its own call, same prompt as b[0]
+    # a request sent in pieces (first_index: where a piece starts) samples as the whole request does
+    for e, whole in ((eng, b), (SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu"), a)):
+        pieces = e.generate(prompts[:3], sp) + e.generate(prompts[3:], sp, first_index=3)
+        assert [o.token_ids for o in pieces] == [o.token_ids for o in whole]
+    assert eng.generate(prompts[3:4], sp)[0].token_ids != b[3].token_ids  # (index 0 instead of 3: other samples)
+
+
+def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
+    """rollout_server.py --prompts/--out: the completions do not depend on --chunk; a line's own sampling fields
+    apply to it; a bad line stops the run naming file, line and what is wrong."""
+    import json
+    from rollout_server import main
+    lines = [[5, 6, 7], {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9}, [8] * 9,
+             {"prompt_token_ids": [5, 6, 7], "temperature": 0}, [9, 10]]
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    outs = {}
+    for chunk in (2, 5):
+        dst = tmp_path / f"o{chunk}.jsonl"
+        main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(dst), "--max-tokens", "6",
+              "--chunk", str(chunk), "--max-seqs", "4", "--max-model-len", "64", "--n", "2"])
+        outs[chunk] = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["index"] for o in outs[2]] == list(range(10))
+    for x, y in zip(outs[2], outs[5]):  # the same samples; log-probs to the last bits of other batch shapes
+        assert (x["token_ids"], x["finish_reason"]) == (y["token_ids"], y["finish_reason"])
+        assert max(abs(u - v) for u, v in zip(x["logprobs"], y["logprobs"])) < 1e-5
+    rows = outs[2]
+    assert all(len(r["token_ids"]) <= 2 for r in rows[2:4]) and any(len(r["token_ids"]) > 2 for r in rows)
+    assert rows[6]["token_ids"] == rows[7]["token_ids"]  # greedy: both samples alike
+    assert rows[0]["token_ids"] != rows[1]["token_ids"] or rows[0]["logprobs"] != rows[1]["logprobs"]
+    for bad, msg in (({"prompt_token_ids": [1], "max_token": 3}, "p.jsonl:2: unknown key 'max_token'"),
+                     ([1, 99999], "p.jsonl:2: token id 99999 outside the model's vocabulary"),
+                     ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters")):
+        src.write_text(json.dumps([3]) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match=msg):
+            main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
 def test_stop_tokens_eos_and_limits(model):
