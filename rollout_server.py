@@ -1863,11 +1863,27 @@ class RolloutClient:
 # command line
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# a prompt line's sampling fields: (the JSON they take, its check)
+_LINE_FIELDS = {
+    "max_tokens": ("an integer", _is_int),
+    "top_k": ("an integer", _is_int),
+    "seed": ("an integer or null", lambda v: v is None or _is_int(v)),
+    "temperature": ("a number", lambda v: _is_int(v) or isinstance(v, float)),
+    "top_p": ("a number", lambda v: _is_int(v) or isinstance(v, float)),
+    "ignore_eos": ("true or false", lambda v: isinstance(v, bool)),
+    "stop_token_ids": ("a list of token ids", lambda v: isinstance(v, list) and all(map(_is_int, v))),
+}
+
+
 def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dict]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
     --tokenizer), the object optionally with SamplingParams fields for that prompt ("max_tokens", "temperature",
     "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"). -> (token ids, sampling overrides) a prompt."""
-    fields = set(SamplingParams.__dataclass_fields__)
+    fields = set(_LINE_FIELDS)
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -1883,9 +1899,12 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
             if bad:
                 raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
                                  f"prompt, and {', '.join(sorted(fields))})")
+            for k, v in over.items():
+                if not _LINE_FIELDS[k][1](v):
+                    raise SystemExit(f"{path}:{n}: {k} = {json.dumps(v)} is not {_LINE_FIELDS[k][0]}")
             try:
                 SamplingParams(**over)
-            except (TypeError, ValueError) as e:
+            except ValueError as e:
                 raise SystemExit(f"{path}:{n}: bad sampling parameters ({e})")
             if "prompt_token_ids" in d:
                 d = d["prompt_token_ids"]
@@ -1893,7 +1912,7 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
                 if tokenizer is None:
                     raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
                 d = tokenizer.apply_chat(d["prompt"])
-        if not isinstance(d, list) or not d or not all(isinstance(t, int) for t in d):
+        if not isinstance(d, list) or not d or not all(map(_is_int, d)):
             raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
         bad = [t for t in d if not 0 <= t < vocab]
         if bad:

@@ -80,8 +80,10 @@ def test_sampling_and_shared_prefixes_match_the_simple_engine(model):
 def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     """rollout_server.py --prompts/--out: the completions do not depend on --chunk; a line's own sampling fields
     apply to it; a bad line stops the run naming file, line and what is wrong."""
+    import dataclasses
     import json
-    from rollout_server import main
+    from rollout_server import _LINE_FIELDS, main
+    assert set(_LINE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}  # every field a line may set
     lines = [[5, 6, 7], {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9}, [8] * 9,
              {"prompt_token_ids": [5, 6, 7], "temperature": 0}, [9, 10]]
     src = tmp_path / "p.jsonl"
@@ -102,7 +104,9 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     assert rows[0]["token_ids"] != rows[1]["token_ids"] or rows[0]["logprobs"] != rows[1]["logprobs"]
     for bad, msg in (({"prompt_token_ids": [1], "max_token": 3}, "p.jsonl:2: unknown key 'max_token'"),
                      ([1, 99999], "p.jsonl:2: token id 99999 outside the model's vocabulary"),
-                     ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters")):
+                     ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters"),
+                     ({"prompt_token_ids": [1], "max_tokens": "5"}, 'p.jsonl:2: max_tokens = "5" is not an integer'),
+                     ({"max_tokens": 5}, "p.jsonl:2: expected a non-empty list of token ids")):
         src.write_text(json.dumps([3]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match=msg):
             main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
