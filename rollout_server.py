@@ -1164,7 +1164,7 @@ class Engine:
         params = check_prompts(prompts, params, self.cfg.vocab_size)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "
+                raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "
                                  f"max_model_len {self.max_model_len}")
         seqs = [Sequence(first_index + i, p, params[i]) for i, p in enumerate(prompts)]
         leaders: dict[tuple, Sequence] = {}
@@ -1879,10 +1879,10 @@ _LINE_FIELDS = {
 }
 
 
-def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dict]]:
+def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dict, int]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
-    --tokenizer), the object optionally with SamplingParams fields for that prompt ("max_tokens", "temperature",
-    "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"). -> (token ids, sampling overrides) a prompt."""
+    --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS).
+    -> (token ids, sampling overrides, line number) a prompt."""
     fields = set(_LINE_FIELDS)
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -1917,7 +1917,7 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
         bad = [t for t in d if not 0 <= t < vocab]
         if bad:
             raise SystemExit(f"{path}:{n}: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
-        out.append((d, over))
+        out.append((d, over, n))
     if not out:
         raise SystemExit(f"{path}: no prompts")
     return out
@@ -1984,8 +1984,12 @@ def main(argv=None):
     if args.prompts is None or args.out is None:
         raise SystemExit("--prompts and --out are required (or --bench)")
     lines = [r for r in read_prompts(args.prompts, tok, engine.cfg.vocab_size) for _ in range(args.n)]
-    prompts = [p for p, _ in lines]
-    params = [replace(sp, **over) if over else sp for _, over in lines]
+    prompts = [p for p, _, _ in lines]
+    params = [replace(sp, **over) if over else sp for _, over, _ in lines]
+    for p, q, (_, _, n) in zip(prompts, params, lines):
+        if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
+            raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
+                             f"--max-model-len {args.max_model_len}")
     with open(args.out, "w") as f:  # a chunk's completions are on disk before the next chunk starts
         for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
             end = start + args.chunk

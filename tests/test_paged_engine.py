@@ -106,7 +106,9 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
                      ([1, 99999], "p.jsonl:2: token id 99999 outside the model's vocabulary"),
                      ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters"),
                      ({"prompt_token_ids": [1], "max_tokens": "5"}, 'p.jsonl:2: max_tokens = "5" is not an integer'),
-                     ({"max_tokens": 5}, "p.jsonl:2: expected a non-empty list of token ids")):
+                     ({"max_tokens": 5}, "p.jsonl:2: expected a non-empty list of token ids"),
+                     ({"prompt_token_ids": [1], "max_tokens": 9000},
+                      "p.jsonl:2: 1 prompt tokens \\+ max_tokens 9000 exceed --max-model-len 8192")):
         src.write_text(json.dumps([3]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match=msg):
             main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
