@@ -1879,10 +1879,11 @@ _LINE_FIELDS = {
 }
 
 
-def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dict, int]]:
+def read_prompts(path: Path, tokenizer, vocab: int,
+                 base: SamplingParams) -> list[tuple[list[int], SamplingParams, int]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
-    --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS).
-    -> (token ids, sampling overrides, line number) a prompt."""
+    --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
+    -> (token ids, sampling parameters, line number) a prompt."""
     fields = set(_LINE_FIELDS)
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -1892,7 +1893,7 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
             d = json.loads(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
-        over = {}
+        sp = base
         if isinstance(d, dict):
             over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt")}
             bad = sorted(set(over) - fields)
@@ -1903,7 +1904,7 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
                 if not _LINE_FIELDS[k][1](v):
                     raise SystemExit(f"{path}:{n}: {k} = {json.dumps(v)} is not {_LINE_FIELDS[k][0]}")
             try:
-                SamplingParams(**over)
+                sp = replace(base, **over) if over else base
             except ValueError as e:
                 raise SystemExit(f"{path}:{n}: bad sampling parameters ({e})")
             if "prompt_token_ids" in d:
@@ -1917,7 +1918,7 @@ def read_prompts(path: Path, tokenizer, vocab: int) -> list[tuple[list[int], dic
         bad = [t for t in d if not 0 <= t < vocab]
         if bad:
             raise SystemExit(f"{path}:{n}: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
-        out.append((d, over, n))
+        out.append((d, sp, n))
     if not out:
         raise SystemExit(f"{path}: no prompts")
     return out
@@ -1983,10 +1984,9 @@ def main(argv=None):
         return
     if args.prompts is None or args.out is None:
         raise SystemExit("--prompts and --out are required (or --bench)")
-    lines = [r for r in read_prompts(args.prompts, tok, engine.cfg.vocab_size) for _ in range(args.n)]
-    prompts = [p for p, _, _ in lines]
-    params = [replace(sp, **over) if over else sp for _, over, _ in lines]
-    for p, q, (_, _, n) in zip(prompts, params, lines):
+    lines = [r for r in read_prompts(args.prompts, tok, engine.cfg.vocab_size, sp) for _ in range(args.n)]
+    prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
+    for p, q, n in lines:  # before anything is generated (the engine's own check names no line)
         if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
             raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
                              f"--max-model-len {args.max_model_len}")
