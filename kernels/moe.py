@@ -72,9 +72,9 @@ if triton is not None:
 
     @triton.jit
     def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr,
-                          C: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr, NB_C: tl.constexpr,
-                          DYNAMIC: tl.constexpr):
-        """Program e of E1 (one an expert): every program counts all experts' slots (one-hot sums over chunks of C
+                          C: tl.constexpr, CB: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr,
+                          NB_C: tl.constexpr, DYNAMIC: tl.constexpr):
+        """Program e of E1 (one an expert): every program counts all experts' slots (a histogram of each chunk of C
         slots) for the padded offsets; program e then places its expert's slots in slot order (a running cumsum
         of "mine" over the chunks) and pads its own rows; the row blocks' experts (how many experts end at or
         before a block's first row) and the rows past the last block are shared out in chunks, program e taking
@@ -93,7 +93,7 @@ if triton is not None:
         for c0 in range(0, S, C):
             m = c0 + ii < S
             e = _slot_expert(IDS, c0 + ii, m, E1, KR, KT)
-            counts += tl.sum(((e[:, None] == e_ar[None, :]) & m[:, None]).to(tl.int32), 0)
+            counts += tl.histogram(e, NE, mask=m & (e >= 0) & (e < NE))
         padded = (counts + BM - 1) // BM * BM
         ends = tl.cumsum(padded, 0)
         total = tl.sum(padded, 0)
@@ -112,17 +112,21 @@ if triton is not None:
         for o in range(0, nb * BM, C * E1):  # rows past the last block: padding
             r = o + me * C + ii
             tl.store(SLOTS + r, tl.full((C,), 0, tl.int64) + S, mask=(r >= total) & (r < nb * BM))
-        for b0 in range(0, nb, C * E1):
-            b = b0 + me * C + ii
+        ib = tl.arange(0, CB)
+        for b0 in range(0, nb, CB * E1):
+            b = b0 + me * CB + ib
             st = b * BM
             be = tl.sum(((ends[None, :] <= st[:, None]) & (e_ar[None, :] < E1)).to(tl.int32), 1)
             be = tl.where((st < total) & (be != E1 - 1), be, -1)  # past the last block, or "not here"
             tl.store(BEXP + b, be.to(tl.int64), mask=b < nb)
 
 
-# the fastest of C 32/64/128 x 1/2/4/8 warps on an H200 (k 6 + 1 shared, 33 experts): 4.0 / 8.2 / 17.4 us at
-# 1 / 64 / 256 tokens (the one-program kernel before it: 4.8 / 20.5 / 76.4)
-ALIGN_CHUNK, ALIGN_WARPS = 128, 4
+# Slots a program takes at once: pow2(S) up to ALIGN_CHUNK (the counts a histogram); row blocks at once for their
+# experts: ALIGN_BLOCKS. On an H200 (k 6 + 1 shared, 33 experts), us a call at 1 / 16 / 64 / 256 / 1,024 tokens:
+# 3.3 / 3.5 / 3.8 / 5.4 / 12.8, against 4.0 / 4.0 / 6.5 / 14.9 / 50.4 for 128-slot chunks counted with one-hot
+# sums and 4 warps (the same slots and blocks; chunks of 128-2,048 x 4 / 8 warps measured, 8 warps and the
+# largest chunk the fastest from 64 tokens on)
+ALIGN_CHUNK, ALIGN_BLOCKS, ALIGN_WARPS = 2048, 128, 8
 
 
 def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int):
@@ -134,7 +138,8 @@ def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int
     bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
     ne = pow2(n_experts)
     dyn = ids.is_cuda
-    _moe_align_kernel[(n_experts,)](flat, slots, bexp, S, nb, E1=n_experts, BM=block_m, NE=ne, C=ALIGN_CHUNK,
+    _moe_align_kernel[(n_experts,)](flat, slots, bexp, S, nb, E1=n_experts, BM=block_m, NE=ne,
+                                    C=min(ALIGN_CHUNK, max(32, pow2(S))), CB=ALIGN_BLOCKS,
                                     KR=k, KT=k + n_shared, S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn,
                                     num_warps=ALIGN_WARPS)
     return slots, bexp

@@ -294,6 +294,13 @@ INTERPRETED = textwrap.dedent("""
     for T, k, E, absent, n_sh in ((5, 2, 4, 0, 0), (40, 6, 32, 0.3, 0), (3, 8, 16, 0.5, 0), (60, 6, 4, 0, 0),
                                   (0, 2, 4, 0, 0), (1, 6, 33, 0, 1), (20, 6, 33, 0, 1), (9, 2, 6, 0.2, 2)):
         assert moe_align_case("cpu", T, k, E, absent, n_shared=n_sh), (T, k, E, absent, n_sh)
+    chunk, blocks = km.ALIGN_CHUNK, km.ALIGN_BLOCKS
+    km.ALIGN_CHUNK, km.ALIGN_BLOCKS = 32, 2  # several slot chunks and block rounds a program (GPU: past 2,048 slots)
+    try:
+        for T, k, E, absent, n_sh in ((60, 6, 4, 0, 0), (40, 6, 33, 0.3, 1)):
+            assert moe_align_case("cpu", T, k, E, absent, n_shared=n_sh), (T, k, E, absent, n_sh)
+    finally:
+        km.ALIGN_CHUNK, km.ALIGN_BLOCKS = chunk, blocks
     from tests.kernel_cases import sample_case
     for B, V in ((5, 1000), (3, 5000), (2, 50)):
         bad, dlp = sample_case("cpu", B, V)
