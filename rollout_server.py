@@ -1884,7 +1884,6 @@ def read_prompts(path: Path, tokenizer, vocab: int,
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
     -> (token ids, sampling parameters, line number) a prompt."""
-    fields = set(_LINE_FIELDS)
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -1896,10 +1895,10 @@ def read_prompts(path: Path, tokenizer, vocab: int,
         sp = base
         if isinstance(d, dict):
             over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt")}
-            bad = sorted(set(over) - fields)
+            bad = sorted(over.keys() - _LINE_FIELDS.keys())
             if bad:
                 raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
-                                 f"prompt, and {', '.join(sorted(fields))})")
+                                 f"prompt, and {', '.join(sorted(_LINE_FIELDS))})")
             for k, v in over.items():
                 if not _LINE_FIELDS[k][1](v):
                     raise SystemExit(f"{path}:{n}: {k} = {json.dumps(v)} is not {_LINE_FIELDS[k][0]}")

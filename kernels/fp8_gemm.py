@@ -309,10 +309,16 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
     if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
         from .quant import dequant_fp8_block
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
+    return _linear_2d(x2, wq, sw).view(*shape[:-1], wq.shape[0])
+
+
+def _linear_2d(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x2 (M, G*K) -> (M, G*N) in x2's dtype: the one-launch kernel up to FUSED_ROWS rows (Triton), else act_quant
+    + fp8_gemm."""
     if x2.shape[0] <= FUSED_ROWS and use_triton(x2):
-        return fp8_linear_fused(x2, wq, sw).view(*shape[:-1], wq.shape[0])
+        return fp8_linear_fused(x2, wq, sw, groups=groups)
     xq, sx = act_quant(x2, wq.dtype)
-    return fp8_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
+    return fp8_gemm(xq, sx, wq, sw, x2.dtype, groups=groups)
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -337,8 +343,4 @@ def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fuse
     if not fused:
         return torch.stack([fp8_linear(x[..., g, :], wq[g * rows:(g + 1) * rows], sw[g * r:(g + 1) * r])
                             for g in range(G)], dim=-2)
-    x2 = x.reshape(-1, G * Kg)
-    if x2.shape[0] <= FUSED_ROWS and use_triton(x2):
-        return fp8_linear_fused(x2, wq, sw, groups=G).view(*x.shape[:-1], rows)
-    xq, sx = act_quant(x2, wq.dtype)
-    return fp8_gemm(xq, sx, wq, sw, x.dtype, groups=G).view(*x.shape[:-1], rows)
+    return _linear_2d(x.reshape(-1, G * Kg), wq, sw, groups=G).view(*x.shape[:-1], rows)
