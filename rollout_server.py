@@ -993,7 +993,7 @@ class Runner:
                 sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
                 sel = index_topk(sc, min(attn.indexer.topk, S), count)
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                       sel=sel)
+                                       sel=sel, count=count)  # (top-k lists a row's valid entries first)
         return attn.project_out(out[None], *tables[attn.rope_kind])
 
     def _decode_eager(self, inp):

@@ -4,7 +4,9 @@
         q (B, H, d); win (n_slots, W, d) ring buffers of the sliding window (position p at p % W);
         compressed entries in `pool` (n_blocks, BE, d), located through `table` (B, max_blocks):
         sel (B, K) entry ids picked by the indexer (-1 = none; CSA) or count (B,) = attend to entries [0, count)
-        (HCA); sink (H,) per-head logit added to the softmax denominator. MQA: one K == V head for all H.
+        (HCA); with both, sel's positions from count[b] on are ignored (index_topk lists a row's valid ids first,
+        at most count of them: the kernel reads only those); sink (H,) per-head logit added to the softmax
+        denominator. MQA: one K == V head for all H.
     scores = index_scores(qi, wi, pool, table, count, S)
         the Lightning Indexer: sum_h wi[b, h] * relu(qi[b, h] . k[b, s]) * d^-0.5 for s < count[b], -inf after.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import pow2, triton, use_triton
+from .fp8_gemm import pow2, tickets, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -41,6 +43,8 @@ def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None,
     if pool is not None:
         if sel is not None:
             idx, ok = sel.clamp(min=0), sel >= 0
+            if count is not None:
+                ok &= torch.arange(sel.shape[1], device=q.device) < count[:, None]
         else:
             cap = table.shape[1] * pool.shape[1]
             idx = torch.arange(cap, device=q.device).expand(B, cap)
@@ -68,13 +72,16 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, POOL, TABLE, SEL, COUNT, scale, H, max_blocks,
-                            W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr, CAP: tl.constexpr,
-                            MODE: tl.constexpr, DYNAMIC: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries;
-        writes this split's running max, sum and unnormalized output (PM, PL, PACC) for _decode_combine_kernel
-        (NS = 1: the output itself, in PACC)."""
+    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, scale, H,
+                            max_blocks, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr,
+                            CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr, DYNAMIC: tl.constexpr,
+                            NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
+        sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
+        the sinks, normalizes and stores OUT. Else it stores its running max, sum and unnormalized output (PM, PL,
+        PACC) for _decode_combine_kernel, or (MERGE) the last of the NS programs of (token, head block) to finish
+        (a ticket counter in CNT, reset to 0 after) merges them in split order with the sinks: the same sum
+        whichever finishes last."""
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mh = rh < H
@@ -92,9 +99,11 @@ if triton is not None:
             k = tl.load(WIN + (slot * W + j[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
             m, l, acc = _online(q, k, valid, m, l, acc, scale)
         if MODE == 1:  # indexer-selected entries
-            for t0 in range(0, KSEL, NS * BLOCK_K):
+            nsel = tl.minimum(tl.load(COUNT + b), KSEL) if BOUNDED else KSEL
+            # the loop bound is data-dependent on GPU; the CPU interpreter needs a static one
+            for t0 in range(0, nsel if DYNAMIC else KSEL, NS * BLOCK_K):
                 t = t0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
-                idx = tl.load(SEL + b * KSEL + t, mask=t < KSEL, other=-1)
+                idx = tl.load(SEL + b * KSEL + t, mask=t < nsel, other=-1)
                 valid = idx >= 0
                 idx = tl.maximum(idx, 0)
                 blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
@@ -102,25 +111,40 @@ if triton is not None:
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
         if MODE == 2:  # every entry written so far
             n = tl.load(COUNT + b)
-            # the loop bound is data-dependent on GPU; the CPU interpreter needs a static one
             for t0 in range(0, n if DYNAMIC else CAP, NS * BLOCK_K):
                 idx = t0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
                 valid = idx < n
                 blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
                 k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
-        if NS == 1:  # one split: add the sinks and normalize here (PACC is the output)
-            sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
+        sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
+        out = OUT + (b * H + rh[:, None]) * D + rd[None, :]
+        if NS == 1:  # one split: add the sinks and normalize here
             m_new = tl.maximum(m, sink)
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.exp(sink - m_new)
-            out = acc * alpha[:, None] / l[:, None]
-            tl.store(PACC + (b * H + rh[:, None]) * D + rd[None, :], out.to(PACC.dtype.element_ty), mask=mh[:, None])
+            tl.store(out, (acc * alpha[:, None] / l[:, None]).to(OUT.dtype.element_ty), mask=mh[:, None])
         else:
-            row = (b * H + rh) * NS + sp
-            tl.store(PM + row, m, mask=mh)
-            tl.store(PL + row, l, mask=mh)
-            tl.store(PACC + row[:, None] * D + rd[None, :], acc, mask=mh[:, None])
+            row = (b * H + rh) * NS
+            tl.store(PM + row + sp, m, mask=mh)
+            tl.store(PL + row + sp, l, mask=mh)
+            tl.store(PACC + (row + sp)[:, None] * D + rd[None, :], acc, mask=mh[:, None])
+        if NS > 1 and MERGE:
+            tl.debug_barrier()  # the whole partial is written before the ticket is taken
+            tile = b * tl.num_programs(1) + hb
+            if tl.atomic_add(CNT + tile, 1) == NS - 1:  # acq_rel: the other splits' partials are visible
+                mx = sink
+                for s in range(NS):
+                    mx = tl.maximum(mx, tl.load(PM + row + s, mask=mh, other=0.0, cache_modifier=".cg"))
+                tot = tl.exp(sink - mx)
+                acc = tl.zeros((BLOCK_H, D), tl.float32)
+                for s in range(NS):
+                    w = tl.exp(tl.load(PM + row + s, mask=mh, other=0.0, cache_modifier=".cg") - mx)
+                    tot += tl.load(PL + row + s, mask=mh, other=0.0, cache_modifier=".cg") * w
+                    acc += tl.load(PACC + (row + s)[:, None] * D + rd[None, :], mask=mh[:, None], other=0.0,
+                                   cache_modifier=".cg") * w[:, None]
+                tl.store(out, (acc / tot[:, None]).to(OUT.dtype.element_ty), mask=mh[:, None])
+                tl.store(CNT + tile, 0)
 
     @triton.jit
     def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, H, D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
@@ -141,38 +165,52 @@ if triton is not None:
         tl.store(OUT + r * D + rd, out.to(OUT.dtype.element_ty))
 
 
-def _attn_splits(B: int, hb: int, key_blocks: int) -> int:
-    """Splits of the key range per (token, head block): enough programs to cover the GPU's ~132 SMs."""
-    return max(1, min(key_blocks, 128 // max(1, B * hb)))
+def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, int, int, bool]:
+    """(splits of the key range per (token, head block), keys a loop step, pipeline depth, merge in the kernel).
+    Measured on an H200 at mini's shapes (16 heads of 512, window 128, sel 512; bench/RESULTS.md): under 32
+    (token, head block) tiles the step is latency-bound: about 128 programs of 32-key steps, merged by the combine
+    kernel (one program per (token, head, 128 columns)); a tile's last split merging them in the kernel took up to
+    twice as long there (it reads every split's partial alone). From 32 tiles up the in-kernel merge wins (at 64
+    rows and 2 splits 20 against 40 us for a CSA layer with 512 selected entries); past that, splits only where
+    they leave 8 key steps each (the CSA layers' entries at 64 rows), gathered entries in 32-key steps 3 deep,
+    the window and HCA entries in 64-key steps."""
+    tiles = B * hb
+    if tiles < 32:
+        return max(1, min(triton.cdiv(W, 32) + triton.cdiv(entries, 32), 128 // max(1, tiles))), 32, 2, False
+    bk, stages = (32, 3) if mode == 1 else (64, 2)
+    return max(1, min(128 // tiles, (triton.cdiv(W, bk) + triton.cdiv(entries, bk)) // 8)), bk, stages, True
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
-                     splits: int | None = None):
-    """decode_attention_ref's result: the key range split `splits` ways (default: _attn_splits) per (token, head
-    block), then one merge kernel with the sinks; a single split (large batches) normalizes in place."""
+                     splits: int | None = None, merge: bool | None = None):
+    """decode_attention_ref's result: the key range split `splits` ways per (token, head block), merged with the
+    sinks by the last split to finish or by a combine kernel (_attn_plan; merge=True / False forces either)."""
     B, H, d = q.shape
     if not use_triton(q) or d < 16 or d & (d - 1):
         return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count)
     out = torch.empty_like(q)
     mode = 0 if pool is None else (1 if sel is not None else 2)
     dummy = slots
-    bh, bk = 16, 32
+    bh = 16
     cap = table.shape[1] * pool.shape[1] if pool is not None else 0
     ksel = sel.shape[1] if sel is not None else 0
     W = win.shape[1]
-    ns = splits or _attn_splits(B, triton.cdiv(H, bh), triton.cdiv(W, bk) + triton.cdiv(ksel if mode == 1 else cap, bk))
+    hb = triton.cdiv(H, bh)
+    ns, bk, stages, fuse = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap)
+    ns, fuse = splits or ns, fuse if merge is None else merge
     pm = torch.empty(B * H * ns if ns > 1 else 0, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(B * H * ns, d, dtype=torch.float32, device=q.device) if ns > 1 else out
+    pacc = torch.empty(B * H * ns if ns > 1 else 0, d, dtype=torch.float32, device=q.device)
     if B:
-        _decode_attn_kernel[(B, triton.cdiv(H, bh), ns)](
-            q.contiguous(), win, slots, pos, sink, pm, pl, pacc,
+        _decode_attn_kernel[(B, hb, ns)](
+            q.contiguous(), win, slots, pos, sink, pm, pl, pacc, out, tickets(q.device, B * hb) if fuse and ns > 1 else pm,
             pool if pool is not None else win, table if table is not None else dummy,
             sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
             scale, H, table.shape[1] if table is not None else 0,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
-            DYNAMIC=q.is_cuda, NS=ns, BLOCK_H=bh, BLOCK_K=bk, num_warps=8 if d >= 256 else 4, num_stages=2)
-        if ns > 1:
+            BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
+            num_warps=8 if d >= 256 else 4, num_stages=stages)
+        if ns > 1 and not fuse:
             bd = min(d, 128)
             _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
                                                      BLOCK_D=bd, num_warps=4)

@@ -6,7 +6,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref  # noqa: E402
-from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref  # noqa: E402
+from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets  # noqa: E402
 from kernels.moe import _moe_tiles, fused_moe, fused_moe_ref  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
@@ -139,9 +139,9 @@ def test_fused_moe(T, fp8, n_shared, absent):
         assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((64, *up[1:]), down)))
 
 
-@pytest.mark.parametrize("mode", ["window", "csa", "hca"])
+@pytest.mark.parametrize("mode", ["window", "csa", "csa_count", "hca"])
 def test_decode_attention(mode):
-    B, H, d, W, BE, nb = 16, 16, 512, 128, 64, 200
+    B, H, d, W, BE, nb = 40, 16, 512, 128, 64, 200
     g = torch.Generator("cuda").manual_seed(1)
     q = torch.randn(B, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
     win = torch.randn(B + 1, W, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -152,19 +152,26 @@ def test_decode_attention(mode):
     pos[0] = 3  # a window that is not full yet
     table = torch.randint(1, nb, (B, 70), device="cuda", generator=g)
     kw = {}
-    if mode == "csa":
+    if mode.startswith("csa"):
         sel = torch.rand(B, 70 * BE, device="cuda", generator=g).argsort(-1)[:, :512]
         sel[1, 100:] = -1
         kw = dict(pool=pool, table=table, sel=sel)
+        if mode == "csa_count":  # only sel's first count[b] positions count (ids past them too)
+            kw["count"] = torch.randint(0, 700, (B,), device="cuda", generator=g)
     elif mode == "hca":
         kw = dict(pool=pool, table=table, count=torch.randint(0, 70 * BE, (B,), device="cuda", generator=g))
     want = decode_attention_ref(q, win, slots, pos, sink, d ** -0.5, **kw)
-    for splits in (None, 1, 5, 40):  # the default (8 here), none, uneven, more splits than some rows have keys
-        assert rel(decode_attention(q, win, slots, pos, sink, d ** -0.5, splits=splits, **kw), want) < 1e-2, splits
-    for B1 in (1, 3):  # few rows: the default splits the key range wider
+    # the default (40 rows: merged in the kernel), none, uneven, more splits than some rows have keys; each merged
+    # by the last split and by the combine kernel
+    for splits in (None, 1, 5, 40):
+        for merge in (None, True, False):
+            a = decode_attention(q, win, slots, pos, sink, d ** -0.5, splits=splits, merge=merge, **kw)
+            assert rel(a, want) < 1e-2, (splits, merge)
+    for B1 in (1, 3):  # few rows: the default splits the key range wider, the combine kernel merges
         a = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5,
                              **{k: v[:B1] if k != "pool" else v for k, v in kw.items()})
         assert rel(a, want[:B1]) < 1e-2, B1
+    assert int(tickets(q.device, 1).abs().sum()) == 0  # the merges put every ticket back
 
 
 def test_index_scores():

@@ -166,10 +166,17 @@ INTERPRETED = textwrap.dedent("""
     table = torch.tensor([[2, 5, 7], [1, 0, 0], [9, 3, 0]])
     sel = torch.tensor([[0, 3, 9, -1, 12], [1, 2, -1, -1, -1], [-1, -1, -1, -1, -1]])
     count = torch.tensor([20, 5, 0])
-    for kw in ({}, dict(pool=pool, table=table, sel=sel), dict(pool=pool, table=table, count=count)):
-        for splits in (None, 1, 3):  # 3: one split sees no valid key
-            a = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, **kw)
+    # sel with count: only the first count[b] positions (row 0's 12 and row 1's 2 are past them)
+    nsel = torch.tensor([3, 1, 0])
+    cut = torch.where(torch.arange(5) < nsel[:, None], sel, -1)
+    assert torch.equal(decode_attention_ref(qq, win, slots, pos, sink, 0.3, pool, table, sel, nsel),
+                       decode_attention_ref(qq, win, slots, pos, sink, 0.3, pool, table, cut))
+    for kw in ({}, dict(pool=pool, table=table, sel=sel), dict(pool=pool, table=table, count=count),
+               dict(pool=pool, table=table, sel=sel, count=nsel)):
+        for splits, merge in ((None, None), (1, None), (3, False), (3, True)):  # 3: one split sees no valid key
+            a = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, merge=merge, **kw)
             assert (a - decode_attention_ref(qq, win, slots, pos, sink, 0.3, **kw)).abs().max() < 1e-5, splits
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
