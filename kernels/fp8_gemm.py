@@ -35,6 +35,11 @@ def divisor_at_most(n: int, k: int) -> int:
     return k
 
 
+# tl.dot's input_precision for fp32 products at about fp32 accuracy on tensor cores: three TF32 passes on NVIDIA;
+# ROCm's Triton takes no tf32x3, its bf16x6 (six BF16 passes) is the equivalent there
+F32_DOT = "bf16x6" if torch.version.hip else "tf32x3"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU)."""
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8_gemm
 from .fp8_gemm import pow2, triton, use_triton
 
 if triton is not None:
@@ -39,11 +40,11 @@ if triton is not None:
     @triton.jit
     def _hc_mix_kernel(X, FN, PART, M, F: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
                        SPLIT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                       SSQ: tl.constexpr):
+                       SSQ: tl.constexpr, PREC: tl.constexpr):
         """x @ fn^T for rows [BM * rb, BM * (rb + 1)) over the s-th CHUNK of columns: PART[t, s] (MIXP,) fp32
-        partials, fp32 products and sums (no tensor-core rounding), in an order fixed by the constexprs alone,
-        so a row's partials do not depend on M (the batch) or on its neighbours. SSQ: column MIXP - 1 (past
-        the MIX products) holds the chunk's sum of squares of x."""
+        partials, fp32 products at about fp32 accuracy (tensor-core passes of PREC, fp8_gemm.F32_DOT) in an order
+        fixed by the constexprs alone, so a row's partials do not depend on M (the batch) or on its neighbours.
+        SSQ: column MIXP - 1 (past the MIX products) holds the chunk's sum of squares of x."""
         rb, s = tl.program_id(0), tl.program_id(1)
         rows = rb * BM + tl.arange(0, BM)
         mr = rows < M
@@ -56,7 +57,7 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * F + rf[None, :], mask=mr[:, None] & mf[None, :], other=0.0)
             x = x.to(tl.float32)
             w = tl.load(FN + rm[None, :] * F + rf[:, None], mask=(rm[None, :] < MIX) & mf[:, None], other=0.0)
-            acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+            acc = tl.dot(x, w.to(tl.float32), acc, input_precision=PREC)
             if SSQ:
                 ss += tl.sum(x * x, 1)
         if SSQ:
@@ -233,18 +234,19 @@ def _mix_partials(x, w, ssq: bool = False):
     x @ w^T over column chunks: enough programs to fill the GPU at M = 1, and batch-invariant (see _hc_mix_kernel).
     ssq: the last column holds each chunk's sum of squares of x (the width leaves one past the N products).
     (cuBLAS took two casts, an fp32 GEMM and a split-K reduction for these skinny products.)
-    Chunk, BK and warps: the fastest of chunk 64/128/256 x BK 16/32/64 x 2/4 warps on an H200 for mini.yaml's
-    mHC (K 8,192, 24 outputs) and router (K 2,048, 32): 1.8 us at M = 1 (chunk 256, 4 warps: 4.1), 5.6 and
-    2.5 us at M = 64 (9.2 and 4.4)."""
+    Tiles: 16 rows at every M (one order of sums for a row whatever the batch), a 64-column step where the
+    weight tile stays within 16 KB, 4 warps up to 16 rows, 2 past. On an H200, mini.yaml's mHC (K 8,192, 24
+    outputs) / router (K 2,048, 32), us a call against 4-row tiles of fp32 sums (no tensor cores): 1 row 2.1 / 2.0
+    against 1.7 / 1.8; 16 rows 2.2 against 2.6; 64 rows 3.0 / 2.2 against 5.9 / 2.6; 256 rows 6.5 / 2.9
+    against 18.7 / 5.8. Relative error against float64 2e-7 (1e-7 before)."""
     M, K = x.shape
-    n, bm, chunk = w.shape[0], 4, MIX_CHUNK
+    n, bm, chunk = w.shape[0], 16, MIX_CHUNK
     mixp = _mix_width(n, ssq)
-    bk = max(8, min(chunk, 8192 // (bm * mixp)))
     split = triton.cdiv(K, chunk)
     part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(triton.cdiv(M, bm), split)](x, w.contiguous(), part, M, F=K, MIX=n, MIXP=mixp, SPLIT=split,
-                                               CHUNK=chunk, BM=bm, BK=bk, SSQ=ssq,
-                                               num_warps=2 if bm * bk * mixp <= 8192 else 4)
+                                               CHUNK=chunk, BM=bm, BK=max(16, min(chunk, 4096 // mixp)), SSQ=ssq,
+                                               PREC=fp8_gemm.F32_DOT, num_warps=4 if M <= 16 else 2)
     return part
 
 

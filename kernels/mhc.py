@@ -3,7 +3,7 @@ forward and backward are Triton kernels (the torch twins, model._hc_pre / model.
 fp32 copies of the streams per call, and as many again in backward).
 
     hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb
-        mix:      raw = x @ fn^T (fp32, tf32x3 tensor-core passes) and each token's sum of squares, one read of x
+        mix:      raw = x @ fn^T (fp32, fp8_gemm.F32_DOT tensor-core passes) and each token's sum of squares, one read of x
         sinkhorn: per token, pre / post / the Sinkhorn-projected comb from raw * rsqrt(mean square)
         collapse: sum_i pre_i * x_i
       backward: the sinkhorn step's VJP recomputes the iterations it needs (a few hundred 4x4 normalizations a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8_gemm
 from .fp8_gemm import pow2, triton
 from .fused import hc_post as _hc_post_fwd
 
@@ -46,7 +47,7 @@ if triton is not None:
 
     @triton.jit
     def _mix_fwd_kernel(X, FN, RAW, SSQ, N, K: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr):
+                        BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
         """RAW = X @ FN^T in fp32 and SSQ = each row's sum of squares: X (N, K), FN (MIX, K) fp32."""
         t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
         mt = t < N
@@ -59,7 +60,7 @@ if triton is not None:
             mk = rk < K
             x = tl.load(X + t[:, None] * K + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
             f = tl.load(FN + rm[None, :] * K + rk[:, None], mask=mm[None, :] & mk[:, None], other=0.0)
-            acc = tl.dot(x, f, acc, input_precision="tf32x3")
+            acc = tl.dot(x, f, acc, input_precision=PREC)
             ss += tl.sum(x * x, 1)
         tl.store(RAW + t[:, None] * MIX + rm[None, :], acc, mask=mt[:, None] & mm[None, :])
         tl.store(SSQ + t, ss, mask=mt)
@@ -176,7 +177,7 @@ if triton is not None:
 
     @triton.jit
     def _mix_bwd_x_kernel(GRAW, GSSQ, FN, X, PRE, GC, GX, N, K: tl.constexpr, D: tl.constexpr, MIX: tl.constexpr,
-                          MIXP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                          MIXP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
         """GX = GRAW @ FN + 2 X GSSQ + PRE_i GC (the collapse's share), tiles of (BT tokens, BK of the NH * D)."""
         t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
         rk = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -185,7 +186,7 @@ if triton is not None:
         mm = rm < MIX
         gr = tl.load(GRAW + t[:, None] * MIX + rm[None, :], mask=mt[:, None] & mm[None, :], other=0.0)
         f = tl.load(FN + rm[:, None] * K + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-        acc = tl.dot(gr, f, input_precision="tf32x3")
+        acc = tl.dot(gr, f, input_precision=PREC)
         m2 = mt[:, None] & mk[None, :]
         x = tl.load(X + t[:, None] * K + rk[None, :], mask=m2, other=0.0).to(tl.float32)
         acc += 2.0 * x * tl.load(GSSQ + t, mask=mt, other=0.0)[:, None]
@@ -195,7 +196,8 @@ if triton is not None:
 
     @triton.jit
     def _mix_bwd_fn_kernel(GRAW, X, GFN, N, NCAP: tl.constexpr, DYNAMIC: tl.constexpr, K: tl.constexpr,
-                           MIX: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                           MIX: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           PREC: tl.constexpr):
         """GFN (MIX, K) = GRAW^T @ X, one program per BK columns, over all tokens."""
         rk = tl.program_id(0) * BK + tl.arange(0, BK)
         mk = rk < K
@@ -207,7 +209,7 @@ if triton is not None:
             mt = t < N
             gr = tl.load(GRAW + t[None, :] * MIX + rm[:, None], mask=mm[:, None] & mt[None, :], other=0.0)
             x = tl.load(X + t[:, None] * K + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            acc = tl.dot(gr, x, acc, input_precision="tf32x3")
+            acc = tl.dot(gr, x, acc, input_precision=PREC)
         tl.store(GFN + rm[:, None] * K + rk[None, :], acc, mask=mm[:, None] & mk[None, :])
 
     @triton.jit
@@ -259,7 +261,7 @@ class _HcPre(torch.autograd.Function):
         mixp, npow = max(16, pow2(MIX)), pow2(n)
         if N:
             _mix_fwd_kernel[(triton.cdiv(N, _BT),)](xf, fn32, raw, ssq, N, K=K, MIX=MIX, MIXP=mixp, BT=_BT, BK=_BK,
-                                                    num_warps=4)
+                                                    PREC=fp8_gemm.F32_DOT, num_warps=4)
             _sinkhorn_fwd_kernel[(triton.cdiv(N, _BT_SINK),)](raw, ssq, base32, scale32, pre, post, comb, N, eps,
                                                               norm_eps, 1.0 / K, ITERS=iters, NH=n, NP=npow,
                                                               BT=_BT_SINK, num_warps=2)
@@ -296,10 +298,11 @@ class _HcPre(torch.autograd.Function):
                                            norm_eps, 1.0 / K, ITERS=iters, NH=n, NP=npow, BT=_BT_SINK, num_warps=2)
             _mix_bwd_x_kernel[(triton.cdiv(N, _BT_GX), triton.cdiv(K, _BK_GX))](graw, gssq, fn32, xf, pre, g_coll, gx,
                                                                                 N, K=K, D=D, MIX=MIX, MIXP=mixp,
-                                                                                BT=_BT_GX, BK=_BK_GX, num_warps=4)
+                                                                                BT=_BT_GX, BK=_BK_GX,
+                                                                                PREC=fp8_gemm.F32_DOT, num_warps=4)
             _mix_bwd_fn_kernel[(triton.cdiv(K, _BK),)](graw, xf, gfn, N, NCAP=N if not xf.is_cuda else 0,
                                                        DYNAMIC=xf.is_cuda, K=K, MIX=MIX, MIXP=mixp, BT=_BT, BK=_BK,
-                                                       num_warps=4)
+                                                       PREC=fp8_gemm.F32_DOT, num_warps=4)
         else:
             gfn.zero_()
             part.zero_()

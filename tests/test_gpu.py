@@ -192,7 +192,7 @@ def test_index_scores():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_fused_hc_and_norms(n):
+def test_fused_hc_and_norms(n, monkeypatch):
     from kernels import fused
     from model.model import RMSNorm, hc_post, hc_pre, rms_unweighted
     g = torch.Generator("cuda").manual_seed(n)
@@ -228,6 +228,14 @@ def test_fused_hc_and_norms(n):
         assert rel(a, b) < 1e-3
     for rows in (1, 5):
         assert torch.equal(fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows], fn)[1], part[:rows])
+    # the mix products in the device's fp32 dot passes (tf32x3 on NVIDIA) and in ROCm's (bf16x6), and in float64
+    from kernels import fp8_gemm
+    xf = x.flatten(-2)
+    exact = xf.double() @ fn.double().T
+    a = fused._mix_partials(xf, fn).sum(1)[:, :fn.shape[0]]
+    monkeypatch.setattr(fp8_gemm, "F32_DOT", "bf16x6")
+    b = fused._mix_partials(xf, fn).sum(1)[:, :fn.shape[0]]
+    assert rel(a.double(), exact) < 1e-6 and rel(b.double(), exact) < 1e-6 and rel(a, b) < 1e-6
     assert fused.hc_post(out[:17], x[:17], want[1][:17], want[2][:17], fn)[1] is None
     xb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(fused.rms_norm(xb, None, 1e-6), rms_unweighted(xb, 1e-6))
@@ -280,9 +288,12 @@ def test_training_kernels_forward_and_backward():
 
 
 @pytest.mark.parametrize("n,D,N", [(4, 2048, 4096), (2, 512, 1000), (3, 256, 77)])
-def test_training_hyper_connections(n, D, N):
+@pytest.mark.parametrize("prec", ["tf32x3", "bf16x6"])  # NVIDIA's fp32 dot passes, and ROCm's
+def test_training_hyper_connections(n, D, N, prec, monkeypatch):
     """kernels.mhc (hc_pre, hc_post with backward kernels) in bf16 at mini's width, against the fp32 torch twins."""
+    from kernels import fp8_gemm
     from tests.kernel_cases import hc_cases
+    monkeypatch.setattr(fp8_gemm, "F32_DOT", prec)
     res = hc_cases("cuda", n, D, N, 20, torch.bfloat16)
     assert max(res.values()) < 2e-2, res
 
