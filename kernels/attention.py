@@ -170,10 +170,10 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, i
     Measured on an H200 at mini's shapes (16 heads of 512, window 128, sel 512; bench/RESULTS.md): under 32
     (token, head block) tiles the step is latency-bound: about 128 programs of 32-key steps, merged by the combine
     kernel (one program per (token, head, 128 columns)); a tile's last split merging them in the kernel took up to
-    twice as long there (it reads every split's partial alone). From 32 tiles up the in-kernel merge wins (at 64
-    rows and 2 splits 20 against 40 us for a CSA layer with 512 selected entries); past that, splits only where
-    they leave 8 key steps each (the CSA layers' entries at 64 rows), gathered entries in 32-key steps 3 deep,
-    the window and HCA entries in 64-key steps."""
+    twice as long there (it reads every split's partial alone). From 32 tiles up the in-kernel merge wins (64
+    rows, 2 splits, a CSA layer with 512 selected entries: 38.8 us against 49.9 with the combine kernel); there,
+    splits only where they leave 8 key steps each (the CSA layers' entries at 64 rows), gathered entries in 32-key
+    steps 3 deep, the window and HCA entries in 64-key steps."""
     tiles = B * hb
     if tiles < 32:
         return max(1, min(triton.cdiv(W, 32) + triton.cdiv(entries, 32), 128 // max(1, tiles))), 32, 2, False
@@ -203,7 +203,8 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
     pacc = torch.empty(B * H * ns if ns > 1 else 0, d, dtype=torch.float32, device=q.device)
     if B:
         _decode_attn_kernel[(B, hb, ns)](
-            q.contiguous(), win, slots, pos, sink, pm, pl, pacc, out, tickets(q.device, B * hb) if fuse and ns > 1 else pm,
+            q.contiguous(), win, slots, pos, sink, pm, pl, pacc, out,
+            tickets(q.device, B * hb) if fuse and ns > 1 else pm,
             pool if pool is not None else win, table if table is not None else dummy,
             sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
             scale, H, table.shape[1] if table is not None else 0,

@@ -3,7 +3,8 @@ forward and backward are Triton kernels (the torch twins, model._hc_pre / model.
 fp32 copies of the streams per call, and as many again in backward).
 
     hc_pre(x, fn, base, scale, iters, eps, norm_eps) -> collapsed, post, comb
-        mix:      raw = x @ fn^T (fp32, fp8_gemm.F32_DOT tensor-core passes) and each token's sum of squares, one read of x
+        mix:      raw = x @ fn^T (fp32 in tensor-core passes, fp8_gemm.F32_DOT) and each token's sum of squares,
+                  one read of x
         sinkhorn: per token, pre / post / the Sinkhorn-projected comb from raw * rsqrt(mean square)
         collapse: sum_i pre_i * x_i
       backward: the sinkhorn step's VJP recomputes the iterations it needs (a few hundred 4x4 normalizations a
