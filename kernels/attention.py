@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8_gemm
 from .fp8_gemm import pow2, tickets, triton, use_triton
 
 if triton is not None:
@@ -237,7 +238,7 @@ if triton is not None:
     @triton.jit
     def _index_scores_kernel(QI, WI, POOL, TABLE, COUNT, OUT, S, max_blocks, scale, stride_w, w_scale,
                              NH: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_S: tl.constexpr):
+                             BLOCK_S: tl.constexpr, PREC: tl.constexpr):
         b, sb = tl.program_id(0), tl.program_id(1)
         rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
         n = tl.load(COUNT + b)
@@ -255,7 +256,7 @@ if triton is not None:
             mh = rh < NH
             q = tl.load(QI + (b * NH + rh[:, None]) * D + rd[None, :], mask=mh[:, None], other=0.0).to(tl.float32)
             w = tl.load(WI + b * stride_w + rh, mask=mh, other=0.0).to(tl.float32) * w_scale
-            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0) * scale
+            s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * scale
             tot += tl.sum(s * w[:, None], 0)
         tot = tl.where(valid, tot, float("-inf"))
         tl.store(OUT + b * S + rs, tot, mask=rs < S)
@@ -270,12 +271,13 @@ def index_scores(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
     out = torch.empty(B, S, dtype=torch.float32, device=qi.device)
     if wi.stride(-1) != 1:
         wi = wi.contiguous()
-    # entries a program: 16 for a few rows (H200, 1,024-entry tables, 192 filled: 6.7 us at 1 row, 12.4 with 64),
-    # 64 from 16 rows on (12.9 vs 16.6 us at 16 rows, 30.5 vs 42.1 at 64)
-    bs = 16 if B < 4 else 64
+    # head products in fp8_gemm.F32_DOT's tensor-core passes (IEEE fp32 FMAs took 2-3.4x as long: on an H200 with
+    # 32 heads of 128, 64 rows x 192 entries 6.4 us against 22.4, 16 x 4,096 25.1 against 85.3; the same top-k);
+    # 32 entries a program up to 16k (rows x entries), 64 past (16 x 1,024: 7.0 against 10.2 us)
+    bs = 32 if B * S < 16384 else 64
     _index_scores_kernel[(B, triton.cdiv(S, bs))](
         qi.contiguous(), wi, pool, table, count, out, S, table.shape[1], d ** -0.5, wi.stride(0), w_scale, NH=nh,
-        D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, num_warps=4)
+        D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, PREC=fp8_gemm.F32_DOT, num_warps=4)
     return out
 
 
