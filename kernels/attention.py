@@ -271,7 +271,7 @@ def index_scores(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
     out = torch.empty(B, S, dtype=torch.float32, device=qi.device)
     if wi.stride(-1) != 1:
         wi = wi.contiguous()
-    # head products in fp8_gemm.F32_DOT's tensor-core passes (IEEE fp32 FMAs took 2-3.4x as long: on an H200 with
+    # head products in fp8_gemm.F32_DOT's tensor-core passes (IEEE fp32 FMAs took 1.8-3.5x as long: on an H200 with
     # 32 heads of 128, 64 rows x 192 entries 6.4 us against 22.4, 16 x 4,096 25.1 against 85.3; the same top-k);
     # 32 entries a program up to 16k (rows x entries), 64 past (16 x 1,024: 7.0 against 10.2 us)
     bs = 32 if B * S < 16384 else 64
