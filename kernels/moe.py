@@ -2,7 +2,7 @@
 
     y = fused_moe(x, ids, weights, w1, w2, w3, s1, s2, s3, limit)
 
-Token slots (token, k) are sorted by expert and padded to BLOCK_M rows per expert (`moe_align`, static shapes,
+Token slots (token, k) are sorted by expert and padded to whole row blocks (`moe_align`, 16-64 rows: static shapes,
 so the whole thing can live inside a CUDA graph); one program per (row block, column tile) reads the weights of
 its block's expert only, so experts nobody routed to are never read. Weights are FP8 with 128x128 block scales
 (activations quantized per 1x128 tile) or plain BF16 (s* = None). The torch reference loops over experts.
@@ -320,13 +320,31 @@ def _moe_tiles(T: int, scaled: bool = False):
     (291 us against 280 for 64-wide), so 64 stays there."""
     if not scaled:
         return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
-    return ((128, 8, 3, 4) if T <= 4 else (128, 4, 3)), ((128 if T > 64 else 64), 4, 3)
+    up = (128, 8, 3, 4) if T <= 4 else (128, 8, 3) if moe_block_m(T, True) == 64 else (128, 4, 3)
+    return up, ((128 if T > 64 else 64), 4, 3)
+
+
+def moe_block_m(T: int, scaled: bool = False) -> int:
+    """Rows of a row block for T tokens: each block reads its expert's whole weights, so past ~12 slots an expert
+    (64 tokens, k 6 + 1 shared of 33) larger blocks read them fewer times. fused_moe a call on an H200 (mini's
+    experts from HBM, scratch sweep of 16 / 32 / 64 rows x up / down tiles):
+    BF16: 16 rows up to 64 tokens (64: 121 us against 129 for 32 or 64 rows), 32 at 128 (132 against 146), 64
+    from 256 (256: 149 against 206; 512: 226 against 347).
+    FP8: 16 rows up to 128 tokens (128: 94 against 97-98), 64 past (256: 107 against 132; 512: 157 against 227;
+    32 rows: 134 / 212). Its 64-row tiles run on Hopper's wgmma, whose FP8 products sum inside each 128-wide K
+    block at reduced precision before the block's scales promote them to the fp32 accumulator -- DeepSeek's own
+    recipe (DeepGEMM promotes every 128), and the dense FP8 GEMM's past 32 rows: relative error against the
+    torch twin about 5e-3, against 2-4e-4 with 16 or 32 rows."""
+    if scaled:
+        return 64 if T > 128 else 16
+    return 16 if T <= 64 else 32 if T <= 128 else 64
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
-              tiles=None):
+              tiles=None, block_m: int | None = None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
-    of each token's slots; the shared experts (n_shared) ride along as one more slot per token each."""
+    of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
+    rows of a row block (default moe_block_m)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
@@ -334,7 +352,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     k = ids.shape[1]
     kt = k + n_shared
-    slots, bexp = moe_align(ids, E, n_shared=n_shared)
+    bm = block_m or moe_block_m(T, scaled)
+    slots, bexp = moe_align(ids, E, bm, n_shared=n_shared)
     nb = bexp.shape[0]
     x = x.contiguous()
     if scaled:
@@ -345,15 +364,15 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     (bn, nw, ns), (bn2, nw2, ns2) = up[:3], down
     ks = divisor_at_most(D // BLOCK, up[3] if len(up) > 3 else 1)  # the up kernel's K ranges
     quant = scaled and bn == BLOCK  # the up kernel writes h quantized
-    h = torch.empty(nb * BLOCK_M, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
-    sh = torch.empty(nb * BLOCK_M, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
+    h = torch.empty(nb * bm, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
+    sh = torch.empty(nb * bm, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
     nt = triton.cdiv(I, bn)
-    part = torch.empty(ks, nb * BLOCK_M, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
+    part = torch.empty(ks, nb * bm, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
     cnt = tickets(x.device, nb * nt) if ks > 1 else h
     _moe_up_kernel[(nb, nt, ks)](
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
         xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, num_warps=nw, num_stages=ns)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, num_warps=nw, num_stages=ns)
     if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:
@@ -361,7 +380,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
-        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
         num_stages=ns2)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
