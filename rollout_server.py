@@ -109,9 +109,9 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, V: int) -> torch.Tens
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
            fused: bool = True):
-    """logits (B, V) fp32 -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits / temperature.
-    Without top-k / top-p, GPUs take kernels.sample.gumbel_sample (one pass; same tokens); fused=False forces
-    this torch path, its twin."""
+    """logits (B, V) (taken in fp32) -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits /
+    temperature. Without top-k / top-p, GPUs take kernels.sample.gumbel_sample (one pass; same tokens);
+    fused=False forces this torch path, its twin."""
     B, V = logits.shape
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
@@ -119,7 +119,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     seeds = torch.tensor(seeds, device=dev, dtype=torch.int64)
     steps = torch.tensor(steps, device=dev, dtype=torch.int64)
     if fused and use_triton(logits) and not filtered:
-        return gumbel_sample(logits.float(), temps, seeds, steps)
+        return gumbel_sample(logits, temps, seeds, steps)
+    logits = logits.float()
     if not filtered:
         return sample_plain(logits, temps, seeds, steps)
     greedy = temps == 0
@@ -135,7 +136,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
     """`sample` without top-k / top-p, from tensors (B,): the torch twin of kernels.sample.gumbel_sample, which
-    the decode step runs in itself on CPUs."""
+    the decode step runs in itself on CPUs (logits taken in fp32)."""
+    logits = logits.float()
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     return _pick(logits, greedy, scaled, scaled, seeds, steps)
@@ -451,10 +453,11 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp32: bool = True):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
-    tables) supplies the sequence-aware part. -> logits (fp32) of the tokens last (a list of indices; None: all
-    N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials (hc_post_mix)."""
+    tables) supplies the sequence-aware part. -> logits (fp32, else the head's dtype) of the tokens last (a list
+    of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials
+    (hc_post_mix)."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
     routing, part = [], None
@@ -469,7 +472,8 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     x = x[0]
     if last is not None:
         x, part = x[last], None if part is None else part[last]
-    return model.head(model.hc_head(x, part)).float(), torch.stack(routing, 1)
+    logits = model.head(model.hc_head(x, part))
+    return logits.float() if fp32 else logits, torch.stack(routing, 1)
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
@@ -999,8 +1003,9 @@ class Runner:
     def _decode_eager(self, inp):
         """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
         float64 bits), and the row of the previous step whose sampled token is this row's id (-1: the id row).
-        -> logits (n, V) fp32, routing (n, L, k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and
-        log-probs for rows without top-k / top-p (kernels.sample on GPUs, sample_plain elsewhere)."""
+        -> logits (n, V) in the head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L,
+        k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k /
+        top-p (kernels.sample on GPUs, sample_plain elsewhere)."""
         n = inp.shape[1]
         ids = torch.where(inp[6] >= 0, self.tok[inp[6].clamp(min=0)], inp[0])
         pos, slots = inp[1], inp[2]
@@ -1009,7 +1014,7 @@ class Runner:
 
         def attention(li, attn, h, tables):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
-        logits, routing = run_layers(self.model, ids, pos, attention)
+        logits, routing = run_layers(self.model, ids, pos, attention, fp32=False)
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
         out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])

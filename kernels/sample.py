@@ -1,7 +1,7 @@
 """The sampler's one pass over the vocabulary: temperature, counter-based Gumbel noise, argmax, log-prob.
 
     tok, lp = gumbel_sample(logits, temps, seeds, steps)
-        logits (B, V) fp32; temps (B,) fp32 (0 = greedy); seeds, steps (B,) int64
+        logits (B, V) fp32 / bf16 / fp16 (read in its dtype, computed in fp32); temps (B,) fp32 (0 = greedy); seeds, steps (B,) int64
         -> tok (B,) int64 = argmax_v(logits / t + g(seed, step, v)) (greedy: argmax logits),
            lp (B,) fp32 = log_softmax(logits / t)[tok]
 
@@ -53,7 +53,7 @@ if triton is not None:
             c0 = sp * CHUNK + i
             v = c0 + tl.arange(0, BLOCK)
             mv = v < V
-            s = tl.div_rn(tl.load(LOGITS + b * stride + v, mask=mv, other=float("-inf")), t)
+            s = tl.div_rn(tl.load(LOGITS + b * stride + v, mask=mv, other=float("-inf")).to(tl.float32), t)
             h = _mix32(h0 ^ _mix32(v.to(tl.uint32) * _u32(0x9E3779B1) + hi))
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
             if LIBDEVICE:  # the log torch's CUDA/HIP kernels use (the interpreter has none: numpy's)
@@ -98,7 +98,7 @@ if triton is not None:
 def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   block: int = 2048, split: int | None = None):
     B, V = logits.shape
-    assert logits.dtype == torch.float32 and V < 2 ** 24
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and V < 2 ** 24
     split = split or max(1, min(32, -(-V // (4 * block))))
     chunk = -(-V // (split * block)) * block
     part = torch.empty(B, split, 5, dtype=torch.float32, device=logits.device)

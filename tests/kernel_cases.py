@@ -53,12 +53,13 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
     return out
 
 
-def sample_case(device, B: int, V: int, seed: int = 0) -> tuple[int, float]:
-    """rollout_server.sample's one-pass kernel against its torch path, greedy rows and temperatures mixed.
-    -> (rows whose token differs, max log-prob difference)."""
+def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32) -> tuple[int, float]:
+    """rollout_server.sample's one-pass kernel against its torch path, greedy rows and temperatures mixed, logits
+    in dtype (the kernel reads bf16 as it is, the torch path in fp32). -> (rows whose token differs, max
+    log-prob difference)."""
     from rollout_server import SamplingParams, sample
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(B, V, generator=g) * 3).to(device)
+    logits = (torch.randn(B, V, generator=g) * 3).to(device, dtype)
     logits[0, V // 3] = 100.0  # row 0 is greedy: a clear winner
     params = [SamplingParams(temperature=t) for t in ([0.0, 1.0, 0.7, 1.3] * B)[:B]]
     seeds = torch.randint(0, 2 ** 62, (B,), generator=g).tolist()

@@ -370,11 +370,13 @@ def test_route_kernel(M, D, E, k, func, hashed):
     assert bad == 0 and dw < 1e-5, (bad, dw)
 
 
-@pytest.mark.parametrize("B", [1, 64, 256])
-def test_gumbel_sample_kernel(B):
-    """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log)."""
+@pytest.mark.parametrize("B,dtype", [(1, torch.float32), (64, torch.float32), (256, torch.float32),
+                                     (64, torch.bfloat16)])
+def test_gumbel_sample_kernel(B, dtype):
+    """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log), from
+    fp32 logits and from the decode step's bf16 ones."""
     from tests.kernel_cases import sample_case
-    bad, dlp = sample_case("cuda", B, 129280)
+    bad, dlp = sample_case("cuda", B, 129280, dtype=dtype)
     assert bad == 0 and dlp < 1e-4, (bad, dlp)
 
 

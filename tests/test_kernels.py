@@ -309,9 +309,10 @@ INTERPRETED = textwrap.dedent("""
     finally:
         km.ALIGN_CHUNK, km.ALIGN_BLOCKS = chunk, blocks
     from tests.kernel_cases import sample_case
-    for B, V in ((5, 1000), (3, 5000), (2, 50)):
-        bad, dlp = sample_case("cpu", B, V)
-        assert bad == 0 and dlp < 1e-4, (B, V, bad, dlp)
+    for B, V, dt in ((5, 1000, torch.float32), (3, 5000, torch.float32), (2, 50, torch.float32),
+                     (4, 3000, torch.bfloat16)):
+        bad, dlp = sample_case("cpu", B, V, dtype=dt)
+        assert bad == 0 and dlp < 1e-4, (B, V, dt, bad, dlp)
     print("ok")
 """)
 
