@@ -3,8 +3,9 @@
     python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256 [--sweep] [--moe [--no-linears]]
 
 Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a's grouped product, wo_b):
-cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), and fp8_linear_fused (one launch)
-at its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program). --moe: fused_moe, FP8 and BF16,
+cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), fp8_linear_fused (one launch) at
+its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program), and up to 4 rows the GEMV kernel
+(--sweep: its programs x warps; the BF16 input GEMMs too). --moe: fused_moe, FP8 and BF16,
 at its default tiles and (with --sweep) others, the k + shared experts of mini's routing.
 
 Each call reads its weights from HBM, not L2: the CUDA graph that is timed cycles through enough copies of the
@@ -20,7 +21,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused, small_linear  # noqa: E402
+from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused, gemv, small_linear  # noqa: E402
 from kernels.moe import _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -77,6 +78,11 @@ def linears(c: ModelConfig, batches, sweep: bool):
                                             if g > 1 else torch.nn.functional.linear(x, t) for t in wb])}
             row["act_quant+gemm"] = graph_us([lambda t=t: fp8_gemm(*act_quant(x, f8), *t, groups=g) for t in q])
             row["fused"] = graph_us([lambda t=t: fp8_linear_fused(x, *t, groups=g) for t in q])
+            if M <= 4:  # the GEMV kernel (default programs and warps; with --sweep, others)
+                row["gemv"] = graph_us([lambda t=t: gemv(x, *t, groups=g) for t in q])
+                for P, wp in ((128, 4), (128, 8), (256, 4), (256, 8), (512, 4), (512, 8)) if sweep else ():
+                    row[f"gemv {P}/{wp}"] = graph_us([lambda t=t: gemv(x, *t, groups=g, programs=P, warps=wp)
+                                                      for t in q])
             bm = _fused_blocks(M, N // g, K, g)[0]
             if sweep:
                 for bn in (16, 32, 64, 128):
@@ -86,7 +92,7 @@ def linears(c: ModelConfig, batches, sweep: bool):
                                 [lambda t=t: fp8_linear_fused(x, *t, groups=g, blocks=(bm, bn, ks)) for t in q])
             del q, wb
             torch.cuda.empty_cache()
-            top = min((v, k) for k, v in row.items() if k.startswith("fused "))[1] if sweep else "fused"
+            top = min((v, k) for k, v in row.items() if k.startswith(("fused", "gemv")))[1]
             best[(M, name)] = (top, row[top], row["bf16 cuBLAS"], row["act_quant+gemm"], row["fused"])
             cells = "  ".join(f"{k} {v:.1f}" for k, v in row.items())
             print(f"M {M:4d} {name:10s} N {N:5d} K {K:5d} G {g}  us/call  {cells}", flush=True)
@@ -110,8 +116,10 @@ def bf16_inputs(c: ModelConfig, batches):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             tb = graph_us([lambda t=t: torch.nn.functional.linear(x, t) for t in wb])
             ts = graph_us([lambda t=t: small_linear(x, t) for t in wb])
+            tg = graph_us([lambda t=t: gemv(x, t, None) for t in wb]) if M <= 4 else float("nan")
             print(f"M {M:4d} {name:10s} N {N:5d} K {K:5d} bf16  us/call (GB/s)  cuBLAS {tb:5.1f}"
-                  f" ({2 * N * K / tb / 1e3:4.0f})  small_linear {ts:5.1f} ({2 * N * K / ts / 1e3:4.0f})", flush=True)
+                  f" ({2 * N * K / tb / 1e3:4.0f})  small_linear {ts:5.1f} ({2 * N * K / ts / 1e3:4.0f})"
+                  f"  gemv {tg:5.1f} ({2 * N * K / tg / 1e3:4.0f})", flush=True)
             del wb
             torch.cuda.empty_cache()
 

@@ -248,6 +248,76 @@ if triton is not None:
                 tl.store(CNT + tile, 0)
 
 
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(X, W, SW, Y, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr, BN: tl.constexpr,
+                     NKBP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+        """Weight rows [pid * BN, (pid + 1) * BN) of y = x W^T for the M <= ROWS rows of x (a decode step's few
+        rows): the program loads its whole (BN, K) weight slab with one load, so all of it is in flight at once
+        (these calls are latency-bound), and sums the products in fp32 FMAs, no tensor cores. SCALED: W fp8 with
+        128 x 128 scales SW, x quantized per 1x128 tile in act_quant's arithmetic; else W BF16/FP16, x as it is.
+        Groups: the program's rows lie in one group g (BN divides N), which reads x's g-th K columns."""
+        pid = tl.program_id(0)
+        NKB: tl.constexpr = K // BLOCK_K
+        rn = pid * BN + tl.arange(0, BN)
+        g = pid * BN // N
+        kb = tl.arange(0, NKBP)
+        mk = kb < NKB
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(W + rn[:, None, None] * stride_w + kb[None, :, None] * BLOCK_K + rk[None, None, :],
+                    mask=mk[None, :, None], other=0.0)  # (BN, NKBP, 128)
+        if SCALED:
+            sw = tl.load(SW + (rn // BLOCK_K)[:, None] * NKB + kb[None, :], mask=mk[None, :], other=0.0)
+        for m in tl.static_range(ROWS):
+            if m < M:
+                x = tl.load(X + m * stride_x + g * K + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
+                            other=0.0).to(tl.float32)
+                if SCALED:
+                    sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax  # (NKB,)
+                    q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty).to(tl.float32)
+                    part = tl.sum(w.to(tl.float32) * q[None, :, :], 2)  # (BN, NKB): each 1x128 block's sum
+                    y = tl.sum(part * sx[None, :] * sw, 1)
+                else:
+                    y = tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
+                tl.store(Y + m * stride_y + rn, y.to(Y.dtype.element_ty))
+
+
+# Rows up to which the linears take the GEMV kernel, the programs it aims for, its warps. On an H200, mini's
+# linears from HBM (bench/fp8_linear.py), us a call at 1 / 2 rows against the one-launch kernel: FP8 wq_a+wkv
+# 2.9 / 3.6 against 4.6 / 4.7, wq_b 3.5 / 4.4 against 5.0 / 5.4, the indexer's wq_b 2.9 / 3.8 against 4.7 / 5.0,
+# wo_a 3.5 / 4.6 against 6.2 / 6.3, wo_b 3.5 / 4.6 against 5.5 / 5.7; at 4 rows the best of 6 configurations
+# 4.6-6.7 against 4.8-6.4, at 8 and 16 rows up to 3x slower. BF16, one row: a CSA layer's input linears
+# (2,592 x 2,048) 5.1 against cuBLAS's 6.3, an HCA layer's (1,024 x 2,048) 3.2 against the one-launch kernel's
+# 4.9, the indexer's wq_b 3.0 against 4.0. The default, 256 programs of 8 warps, was within 0.25 us of the
+# fastest of 128 / 256 / 512 programs x 4 / 8 warps (--sweep) at one row, within 0.42 at two.
+GEMV_ROWS, GEMV_PROGRAMS, GEMV_WARPS = 2, 256, 8
+GEMV_SLAB = 32768  # most weight bytes a program holds
+
+
+def gemv(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, programs: int | None = None,
+         warps: int | None = None) -> torch.Tensor:
+    """x2 (M, G*K), M a few rows -> (M, G*N) in x2's dtype through _gemv_kernel: fp8_linear_fused's numerics (sw
+    None: a plain BF16 / FP16 weight, the product unquantized) with the sums in another order. Each program takes
+    BN weight rows, a power of two that divides N (its slab of at most GEMV_SLAB bytes), for about `programs`
+    programs (default GEMV_PROGRAMS)."""
+    M, GK = x2.shape
+    GN, K = wq.shape
+    N = GN // groups
+    assert K % BLOCK == 0 and GK == groups * K, f"gemv: x {tuple(x2.shape)} vs w {tuple(wq.shape)} in {groups} groups"
+    bn = 1
+    while (bn * 2 <= 64 and N % (bn * 2) == 0 and GN // (bn * 2) >= (programs or GEMV_PROGRAMS)
+           and bn * 2 * K * wq.element_size() <= GEMV_SLAB):
+        bn *= 2
+    y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
+    if M:
+        x2 = x2.contiguous()
+        scaled = sw is not None
+        _gemv_kernel[(GN // bn,)](x2, wq, sw.contiguous() if scaled else wq, y, M, N, x2.stride(0), wq.stride(0),
+                                  y.stride(0), fp8_max(wq.dtype) if scaled else 1.0, K=K, BN=bn, NKBP=pow2(K // BLOCK),
+                                  ROWS=pow2(M), BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps or GEMV_WARPS)
+    return y
+
+
 _COUNTERS: dict = {}
 
 
@@ -318,8 +388,10 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
 
 
 def _linear_2d(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """x2 (M, G*K) -> (M, G*N) in x2's dtype: the one-launch kernel up to FUSED_ROWS rows (Triton), else act_quant
-    + fp8_gemm."""
+    """x2 (M, G*K) -> (M, G*N) in x2's dtype: on Triton the GEMV up to GEMV_ROWS rows, the one-launch kernel up to
+    FUSED_ROWS, else act_quant + fp8_gemm."""
+    if x2.shape[0] <= GEMV_ROWS and use_triton(x2):
+        return gemv(x2, wq, sw, groups)
     if x2.shape[0] <= FUSED_ROWS and use_triton(x2):
         return fp8_linear_fused(x2, wq, sw, groups=groups)
     xq, sx = act_quant(x2, wq.dtype)
@@ -327,14 +399,21 @@ def _linear_2d(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, groups: int
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for a BF16 / FP16 weight. On a GPU, up to 16 rows and 2^21 weight elements (K a multiple
-    of 128): the one-launch kernel, K split over programs (fp32 sums in another order than cuBLAS's). Measured on
+    """F.linear(x, w) for a BF16 / FP16 weight. On a GPU (K a multiple of 128): the GEMV kernel at one row (any
+    size: see GEMV_ROWS) and up to GEMV_ROWS rows for weights up to 2^21 elements (2 rows, us a call against
+    cuBLAS: an HCA layer's input GEMM 3.9 against 8.0, the indexer's wq_b 3.6 against 4.1; but a CSA layer's
+    five input linears as one, 2592 x 2048, 7.0 against 6.3). Then up to 16 rows and 2^21 weight elements the
+    one-launch kernel, K split over programs (fp32 sums in another order than cuBLAS's). That kernel, measured on
     an H200 (bench/fp8_linear.py, weights from HBM), one row / 16 rows, us a call against cuBLAS: an HCA layer's
     BF16 input GEMM (1024 x 2048) 4.9 / 5.3 against 12.6 / 5.8; the indexer's wq_b (4096 x 512) 4.0 / 4.1 against
     4.0 / 4.1; larger, a CSA layer's five BF16 input linears as one (2592 x 2048), 6.7 / 7.5 against 6.3 / 6.4."""
     x2 = x.reshape(-1, x.shape[-1])
-    if (x2.shape[0] > 16 or x2.shape[1] % BLOCK or w.numel() > 1 << 21
-            or w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != w.dtype or not use_triton(x2)):
+    if (x2.shape[0] > 16 or x2.shape[1] % BLOCK or w.dtype not in (torch.bfloat16, torch.float16)
+            or x.dtype != w.dtype or not use_triton(x2)):
+        return torch.nn.functional.linear(x, w)
+    if x2.shape[0] == 1 or (x2.shape[0] <= GEMV_ROWS and w.numel() <= 1 << 21):
+        return gemv(x2, w, None).view(*x.shape[:-1], w.shape[0])
+    if w.numel() > 1 << 21:
         return torch.nn.functional.linear(x, w)
     return fp8_linear_fused(x2, w, None).view(*x.shape[:-1], w.shape[0])
 

@@ -1,7 +1,8 @@
 """The sampler's one pass over the vocabulary: temperature, counter-based Gumbel noise, argmax, log-prob.
 
     tok, lp = gumbel_sample(logits, temps, seeds, steps)
-        logits (B, V) fp32 / bf16 / fp16 (read in its dtype, computed in fp32); temps (B,) fp32 (0 = greedy); seeds, steps (B,) int64
+        logits (B, V) fp32 / bf16 / fp16 (read in its dtype, computed in fp32); temps (B,) fp32 (0 = greedy);
+        seeds, steps (B,) int64
         -> tok (B,) int64 = argmax_v(logits / t + g(seed, step, v)) (greedy: argmax logits),
            lp (B,) fp32 = log_softmax(logits / t)[tok]
 

@@ -83,6 +83,26 @@ def test_fp8_linear_fused(M, N, K, G):
     assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("M", [1, 2, 3])
+@pytest.mark.parametrize("N,K,G", [(2048, 2048, 1), (8192, 512, 1), (300, 1024, 1), (2048, 2048, 4), (384, 640, 1)])
+def test_gemv(M, N, K, G):
+    """The GEMV kernel (the decode step's linears at 1-2 rows) against act_quant + fp8_gemm (fp32 x: only the
+    order of the fp32 sums differs), from a weight view whose rows are longer than K, and with a BF16 weight
+    against an fp32 product."""
+    from kernels.fp8_gemm import gemv
+    f8 = fp8_dtype("cuda")
+    g = torch.Generator("cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g) * 3
+    wq, ws = quant_fp8_block(torch.randn(N, K // G + 128, device="cuda", generator=g) * 0.02, f8, scale_fmt="fp32")
+    wq, ws = wq[:, :K // G], ws[:, :K // G // 128]
+    want = fp8_gemm(*act_quant(x, f8), wq.contiguous(), ws.contiguous(), torch.float32, groups=G)
+    assert rel(gemv(x, wq, ws, groups=G), want) < 1e-6
+    assert rel(gemv(x.bfloat16(), wq, ws, groups=G), want) < 4e-3
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    xb = x.bfloat16()
+    assert rel(gemv(xb, w, None), xb.float() @ w.float().T) < 4e-3
+
+
 @pytest.mark.parametrize("M", [1, 5, 16, 17])
 @pytest.mark.parametrize("N,K", [(2592, 2048), (1024, 2048), (4096, 512), (300, 1024)])
 def test_small_linear(M, N, K):

@@ -118,6 +118,17 @@ INTERPRETED = textwrap.dedent("""
         assert (fp8_linear_fused(x, w, None, blocks=blocks) - x @ w.T).abs().max() < 1e-5 * (x @ w.T).abs().max()
     want = fp8_gemm(*act_quant(x, torch.float8_e4m3fn), w2q, w2s, torch.float32, groups=2)
     assert (fp8_linear_fused(x, w2q, w2s, groups=2, blocks=(16, 32, 1)) - want).abs().max() < 1e-5 * want.abs().max()
+    # the GEMV kernel (a few rows): one or two rows, two groups, 3 blocks of K (a masked power-of-two block),
+    # a weight with a row stride past K (a view), a plain weight
+    from kernels.fp8_gemm import gemv
+    w3q, w3s = quant_fp8_block(torch.randn(256, 512, generator=g) * 0.05, torch.float8_e4m3fn, scale_fmt="fp32")
+    for xx_, wq_, ws_, G in ((x[:1], wq, ws, 1), (x[:2], wq, ws, 1), (x[:2], w2q, w2s, 2),
+                             (x3[:1], w3q[:, :384], w3s[:, :3], 1)):
+        want = fp8_gemm(*act_quant(xx_, torch.float8_e4m3fn), wq_.contiguous(), ws_.contiguous(), torch.float32,
+                        groups=G)
+        assert (gemv(xx_, wq_, ws_, groups=G) - want).abs().max() < 1e-5 * want.abs().max(), (xx_.shape, G)
+    for xx_ in (x[:1], x[:2]):
+        assert (gemv(xx_, w, None) - xx_ @ w.T).abs().max() < 1e-5 * (xx_ @ w.T).abs().max()
     from kernels.fp8_gemm import block_quant
     for wb in (torch.randn(300, 200, generator=g) * 0.1, torch.randn(3, 130, 256, generator=g)):
         q, s = block_quant(wb, torch.float8_e4m3fn)
