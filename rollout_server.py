@@ -453,10 +453,10 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp32: bool = True):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
-    tables) supplies the sequence-aware part. -> logits (fp32, else the head's dtype) of the tokens last (a list
-    of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials
+    tables) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are) of
+    the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials
     (hc_post_mix)."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
@@ -472,8 +472,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     x = x[0]
     if last is not None:
         x, part = x[last], None if part is None else part[last]
-    logits = model.head(model.hc_head(x, part))
-    return logits.float() if fp32 else logits, torch.stack(routing, 1)
+    return model.head(model.hc_head(x, part)), torch.stack(routing, 1)
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
@@ -1014,7 +1013,7 @@ class Runner:
 
         def attention(li, attn, h, tables):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
-        logits, routing = run_layers(self.model, ids, pos, attention, fp32=False)
+        logits, routing = run_layers(self.model, ids, pos, attention)
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
         out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
