@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pow2, tickets, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, tickets, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -76,13 +76,15 @@ if triton is not None:
     def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, scale, H,
                             max_blocks, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr,
                             CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr, DYNAMIC: tl.constexpr,
-                            NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                            NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
         sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
         the sinks, normalizes and stores OUT. Else it stores its running max, sum and unnormalized output (PM, PL,
         PACC) for _decode_combine_kernel, or (MERGE) the last of the NS programs of (token, head block) to finish
         (a ticket counter in CNT, reset to 0 after) merges them in split order with the sinks: the same sum
         whichever finishes last."""
+        pdl_wait(PDL)
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mh = rh < H
@@ -149,8 +151,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, H, D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """One (token, head): the NS splits' partial softmaxes merged with the sink's logit, normalized."""
+        pdl_wait(PDL)
         r, db = tl.program_id(0), tl.program_id(1)
         rs = tl.arange(0, NSP)
         ms = rs < NS
@@ -211,11 +214,11 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
             scale, H, table.shape[1] if table is not None else 0,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
-            num_warps=8 if d >= 256 else 4, num_stages=stages)
+            num_warps=8 if d >= 256 else 4, num_stages=stages, **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)
             _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
-                                                     BLOCK_D=bd, num_warps=4)
+                                                     BLOCK_D=bd, num_warps=4, **pdl(q))
     return out
 
 
@@ -238,7 +241,8 @@ if triton is not None:
     @triton.jit
     def _index_scores_kernel(QI, WI, POOL, TABLE, COUNT, OUT, S, max_blocks, scale, stride_w, w_scale,
                              NH: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+                             BLOCK_S: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         b, sb = tl.program_id(0), tl.program_id(1)
         rs = sb * BLOCK_S + tl.arange(0, BLOCK_S)
         n = tl.load(COUNT + b)
@@ -277,7 +281,7 @@ def index_scores(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
     bs = 32 if B * S < 16384 else 64
     _index_scores_kernel[(B, triton.cdiv(S, bs))](
         qi.contiguous(), wi, pool, table, count, out, S, table.shape[1], d ** -0.5, wi.stride(0), w_scale, NH=nh,
-        D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, PREC=fp8_gemm.F32_DOT, num_warps=4)
+        D=d, BE=pool.shape[1], BLOCK_H=16, BLOCK_S=bs, PREC=fp8_gemm.F32_DOT, num_warps=4, **pdl(qi))
     return out
 
 
@@ -290,9 +294,10 @@ def index_topk_ref(sc, k: int, count):
 
 if triton is not None:
     @triton.jit
-    def _index_topk_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr):
+    def _index_topk_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
         """One row: a bitonic sort of (order-preserving int32 of the score, reversed entry index) pairs packed
         in int64, descending (ties: the lower index first); the first K entries, -1 past the row's count."""
+        pdl_wait(PDL)
         b = tl.program_id(0)
         rs = tl.arange(0, SP)
         v = tl.load(SC + b * S + rs, mask=rs < S, other=float("-inf"))
@@ -316,7 +321,8 @@ def index_topk(sc, k: int, count):
     out = torch.empty(B, k, dtype=torch.int64, device=sc.device)
     if B:
         sp = max(16, pow2(S))
-        _index_topk_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp, num_warps=4 if sp <= 1024 else 8)
+        _index_topk_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp,
+                                 num_warps=4 if sp <= 1024 else 8, **pdl(sc))
     return out
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import pow2, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -29,7 +29,8 @@ if triton is not None:
     def _compress_decode_kernel(KV, GATE, POS, SLOTS, TABLE, BK, BG, PK, PG, POOL, APE, NW, COS, SIN, COUNT, eps,
                                 max_blocks, stride_kv, stride_gate, R: tl.constexpr, WIDTH: tl.constexpr,
                                 HD: tl.constexpr, RD: tl.constexpr, BE: tl.constexpr, OVERLAP: tl.constexpr,
-                                BW: tl.constexpr, BR: tl.constexpr, HALF: tl.constexpr):
+                                BW: tl.constexpr, BR: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         b = tl.program_id(0)
         slot = tl.load(SLOTS + b).to(tl.int64)
         p = tl.load(POS + b)
@@ -132,5 +133,5 @@ def compress_decode(kv, gate, pos, slots, table, buf_kv, buf_gate, prev_kv, prev
             ape.contiguous(), norm_w, cos.contiguous(), sin.contiguous(), count, eps, table.shape[1], kv.stride(0),
             gate.stride(0), R=R,
             WIDTH=width, HD=hd, RD=2 * cos.shape[-1], BE=pool.shape[1], OVERLAP=overlap, BW=min(1024, pow2(width)),
-            BR=min(pow2(2 * R if overlap else R), 16), HALF=pow2(hd // 2), num_warps=4)
+            BR=min(pow2(2 * R if overlap else R), 16), HALF=pow2(hd // 2), num_warps=4, **pdl(kv))
     return count

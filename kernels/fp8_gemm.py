@@ -45,6 +45,42 @@ def use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+# Programmatic dependent launch (NVIDIA sm90+): a kernel launched with it may start while the kernel before it in
+# the stream is still running; each program first waits for that kernel to finish (pdl_wait: griddepcontrol.wait,
+# whose memory is then visible) and then lets the next kernel start. What the decode step's ~300-400 small
+# kernels gain: the next kernel's launch and the loads that need nothing from the one before (the GEMV's weights)
+# overlap the current one. KERNELS_PDL=0 turns it off.
+_PDL: dict = {}
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel with a PDL constexpr on t's device: PDL and launch_pdl on CUDA GPUs of
+    compute capability 9.0 or later (not under the interpreter, not on ROCm), else PDL=False."""
+    dev = t.device
+    if dev not in _PDL:
+        _PDL[dev] = (t.is_cuda and gdc_wait is not None and torch.version.hip is None
+                     and os.environ.get("TRITON_INTERPRET") != "1"
+                     and os.environ.get("KERNELS_PDL", "1") != "0" and torch.cuda.get_device_capability(dev)[0] >= 9)
+    return {"PDL": True, "launch_pdl": True} if _PDL[dev] else {"PDL": False}
+
+
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # a Triton without them: pdl() must then stay off
+        gdc_launch_dependents = gdc_wait = None
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """A PDL kernel's first step before it reads or writes what other kernels use: wait for the kernel before
+        it, then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:
+    pdl_wait = gdc_wait = None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # activation quantization, 1 x 128 tiles
 
@@ -65,8 +101,10 @@ ACT_TILES = 8
 
 if triton is not None:
     @triton.jit
-    def _act_quant_kernel(X, Q, S, NKB, stride_x, fmax, TILES: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _act_quant_kernel(X, Q, S, NKB, stride_x, fmax, TILES: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """Program (m, j): row m's 1x128 tiles [j*TILES, (j+1)*TILES) as one (TILES, 128) block."""
+        pdl_wait(PDL)
         m, j = tl.program_id(0), tl.program_id(1)
         t = j * TILES + tl.arange(0, TILES)
         mask = (t < NKB)[:, None]
@@ -92,7 +130,7 @@ def act_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Te
         nkb = K // BLOCK
         tiles = min(ACT_TILES, pow2(nkb))
         _act_quant_kernel[(M, triton.cdiv(nkb, tiles))](x, q, s, nkb, x.stride(0), fp8_max(fp8), TILES=tiles,
-                                                          BLOCK_K=BLOCK)
+                                                          BLOCK_K=BLOCK, **pdl(x))
     return q, s
 
 
@@ -196,13 +234,15 @@ if triton is not None:
     @triton.jit
     def _fp8_linear_kernel(X, SX, W, SW, Y, PART, CNT, M, N, stride_x, stride_sx, stride_w, stride_y, fmax,
                            K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, XQ: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, XQ: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """The FP8 linear / GEMM: program (n tile, K range s, group g x row tile) quantizes x's 1x128 tiles of K
         blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the weight tiles (XQ: x
         is act_quant's output, SX its scales: fp8_gemm; not SCALED: a BF16 weight, x in its dtype, no
         quantization). SPLIT == 1: it stores its tile. Else it stores the range's fp32 partial in PART[s], and
         the last of the tile's SPLIT programs to finish (a ticket counter, reset to 0 after) adds the partials in
         range order and stores the tile: the same sum whichever program finishes last."""
+        pdl_wait(PDL)
         pid_n, sp, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mt = tl.cdiv(M, BLOCK_M)
         g, pid_m = pid_mg // mt, pid_mg % mt
@@ -250,13 +290,28 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
+    def slab_dot(w, sw, x, fmax, SCALED: tl.constexpr):
+        """The GEMV kernels' product of a weight slab w (BN, NKBP, 128) [scales sw (BN, NKBP)] with one row x
+        (NKBP, 128) fp32 -> (BN,) fp32: SCALED, x quantized per 1x128 tile in act_quant's arithmetic and each
+        tile's fp32 sum times both scales; else the plain products. fp32 FMAs, no tensor cores."""
+        if SCALED:
+            sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax  # (NKBP,)
+            q = tl.clamp(x / sx[:, None], -fmax, fmax).to(w.dtype).to(tl.float32)
+            part = tl.sum(w.to(tl.float32) * q[None, :, :], 2)  # (BN, NKBP): each 1x128 block's sum
+            return tl.sum(part * sx[None, :] * sw, 1)
+        else:
+            return tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
+
+    @triton.jit
     def _gemv_kernel(X, W, SW, Y, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr, BN: tl.constexpr,
-                     NKBP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+                     NKBP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                     PDL: tl.constexpr = False):
         """Weight rows [pid * BN, (pid + 1) * BN) of y = x W^T for the M <= ROWS rows of x (a decode step's few
         rows): the program loads its whole (BN, K) weight slab with one load, so all of it is in flight at once
-        (these calls are latency-bound), and sums the products in fp32 FMAs, no tensor cores. SCALED: W fp8 with
-        128 x 128 scales SW, x quantized per 1x128 tile in act_quant's arithmetic; else W BF16/FP16, x as it is.
-        Groups: the program's rows lie in one group g (BN divides N), which reads x's g-th K columns."""
+        (these calls are latency-bound), and takes slab_dot with each row. SCALED: W fp8 with 128 x 128 scales
+        SW, x quantized per 1x128 tile; else W BF16/FP16, x as it is. Groups: the program's rows lie in one
+        group g (BN divides N), which reads x's g-th K columns. Under PDL the weights load before the wait for
+        the kernel before (which must not be writing them: no decode kernel does)."""
         pid = tl.program_id(0)
         NKB: tl.constexpr = K // BLOCK_K
         rn = pid * BN + tl.arange(0, BN)
@@ -266,20 +321,15 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         w = tl.load(W + rn[:, None, None] * stride_w + kb[None, :, None] * BLOCK_K + rk[None, None, :],
                     mask=mk[None, :, None], other=0.0)  # (BN, NKBP, 128)
+        sw = w
         if SCALED:
             sw = tl.load(SW + (rn // BLOCK_K)[:, None] * NKB + kb[None, :], mask=mk[None, :], other=0.0)
+        pdl_wait(PDL)  # the weights are loading; x is the kernel before's output
         for m in tl.static_range(ROWS):
             if m < M:
                 x = tl.load(X + m * stride_x + g * K + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
                             other=0.0).to(tl.float32)
-                if SCALED:
-                    sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax  # (NKB,)
-                    q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty).to(tl.float32)
-                    part = tl.sum(w.to(tl.float32) * q[None, :, :], 2)  # (BN, NKB): each 1x128 block's sum
-                    y = tl.sum(part * sx[None, :] * sw, 1)
-                else:
-                    y = tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
-                tl.store(Y + m * stride_y + rn, y.to(Y.dtype.element_ty))
+                tl.store(Y + m * stride_y + rn, slab_dot(w, sw, x, fmax, SCALED).to(Y.dtype.element_ty))
 
 
 # Rows up to which the linears take the GEMV kernel, the programs it aims for, its warps. On an H200, mini's
@@ -294,6 +344,15 @@ GEMV_ROWS, GEMV_PROGRAMS, GEMV_WARPS = 2, 256, 8
 GEMV_SLAB = 32768  # most weight bytes a program holds
 
 
+def slab_rows(N: int, row_bytes: int, most: int = 64) -> int:
+    """The rows of a GEMV program's weight slab: the largest power of two up to 64 (and up to `most`) that divides
+    N and keeps the slab within GEMV_SLAB bytes."""
+    bn = 1
+    while bn * 2 <= min(64, most) and N % (bn * 2) == 0 and bn * 2 * row_bytes <= GEMV_SLAB:
+        bn *= 2
+    return bn
+
+
 def gemv(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, programs: int | None = None,
          warps: int | None = None) -> torch.Tensor:
     """x2 (M, G*K), M a few rows -> (M, G*N) in x2's dtype through _gemv_kernel: fp8_linear_fused's numerics (sw
@@ -304,17 +363,14 @@ def gemv(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: in
     GN, K = wq.shape
     N = GN // groups
     assert K % BLOCK == 0 and GK == groups * K, f"gemv: x {tuple(x2.shape)} vs w {tuple(wq.shape)} in {groups} groups"
-    bn = 1
-    while (bn * 2 <= 64 and N % (bn * 2) == 0 and GN // (bn * 2) >= (programs or GEMV_PROGRAMS)
-           and bn * 2 * K * wq.element_size() <= GEMV_SLAB):
-        bn *= 2
+    bn = slab_rows(N, K * wq.element_size(), GN // (programs or GEMV_PROGRAMS))
     y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
     if M:
         x2 = x2.contiguous()
         scaled = sw is not None
         _gemv_kernel[(GN // bn,)](x2, wq, sw.contiguous() if scaled else wq, y, M, N, x2.stride(0), wq.stride(0),
                                   y.stride(0), fp8_max(wq.dtype) if scaled else 1.0, K=K, BN=bn, NKBP=pow2(K // BLOCK),
-                                  ROWS=pow2(M), BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps or GEMV_WARPS)
+                                  ROWS=pow2(M), BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps or GEMV_WARPS, **pdl(x2))
     return y
 
 
@@ -373,7 +429,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
                                  M, N, x2.stride(0), 0 if sx is None else sx.stride(0), wq.stride(0), y.stride(0),
                                  fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, SPLIT=split, BLOCK_M=bm,
                                  BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=4,
-                                 num_stages=stages)
+                                 num_stages=stages, **pdl(x2))
     return y
 
 

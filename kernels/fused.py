@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pow2, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -40,11 +40,12 @@ if triton is not None:
     @triton.jit
     def _hc_mix_kernel(X, FN, PART, M, F: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
                        SPLIT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                       SSQ: tl.constexpr, PREC: tl.constexpr):
+                       SSQ: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
         """x @ fn^T for rows [BM * rb, BM * (rb + 1)) over the s-th CHUNK of columns: PART[t, s] (MIXP,) fp32
         partials, fp32 products at about fp32 accuracy (tensor-core passes of PREC, fp8_gemm.F32_DOT) in an order
         fixed by the constexprs alone, so a row's partials do not depend on M (the batch) or on its neighbours.
         SSQ: column MIXP - 1 (past the MIX products) holds the chunk's sum of squares of x."""
+        pdl_wait(PDL)
         rb, s = tl.program_id(0), tl.program_id(1)
         rows = rb * BM + tl.arange(0, BM)
         mr = rows < M
@@ -91,12 +92,13 @@ if triton is not None:
     def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, eps, norm_eps, rms_eps, ITERS: tl.constexpr,
                        N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
-                       SB: tl.constexpr):
+                       SB: tl.constexpr, PDL: tl.constexpr = False):
         """Program (token t, role). Both roles sum the SPLIT partials of _hc_mix_kernel (x @ fn^T, and the sum of
         squares of x in column MIXP - 1) and scale them by the streams' rsqrt-mean-square. Role 0: pre and the
         pre-weighted collapse of the streams, RMS-normed with weight NW (eps rms_eps) when NORM. Role 1: post and
         the Sinkhorn-projected comb, so the Sinkhorn chain runs beside the collapse. HEAD: the head's collapse
         (N_HC pre weights, one scale, no role 1)."""
+        pdl_wait(PDL)
         t, role = tl.program_id(0), tl.program_id(1)
         MIX: tl.constexpr = N_HC if HEAD else (2 + N_HC) * N_HC
         rm = tl.arange(0, MIXP)
@@ -170,7 +172,8 @@ if triton is not None:
 
     @triton.jit
     def _hc_post_kernel(OUT, X, POST, COMB, Y, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         t, db = tl.program_id(0), tl.program_id(1)
         ri = tl.arange(0, NP)
         rd = db * BLOCK + tl.arange(0, BLOCK)
@@ -180,11 +183,13 @@ if triton is not None:
 
     @triton.jit
     def _hc_post_mix_kernel(OUT, X, POST, COMB, Y, FN, PART, N_HC: tl.constexpr, D: tl.constexpr,
-                            NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr):
+                            NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Program (s, token t): hc_post (_hc_post_kernel's arithmetic) for stream i's columns [d0, d0 + CHUNK),
         s = i * D / CHUNK + d0 / CHUNK being that chunk of the flattened (n * D) row, then the chunk's mix
         partials over the stored (rounded) result: _hc_mix_kernel's PART[t, s] (the next hc_pre sums them), fp32
         products and sums."""
+        pdl_wait(PDL)
         s, t = tl.program_id(0), tl.program_id(1)
         SPLIT: tl.constexpr = N_HC * D // CHUNK
         i = s // (D // CHUNK)
@@ -214,7 +219,9 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
+    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
+                    PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         r = tl.program_id(0)
         rd = tl.arange(0, BLOCK)
         y = _rms_row(X, W, r, stride_x, eps, D, BLOCK, WEIGHTED)
@@ -246,7 +253,7 @@ def _mix_partials(x, w, ssq: bool = False):
     part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(triton.cdiv(M, bm), split)](x, w.contiguous(), part, M, F=K, MIX=n, MIXP=mixp, SPLIT=split,
                                                CHUNK=chunk, BM=bm, BK=max(16, min(chunk, 4096 // mixp)), SSQ=ssq,
-                                               PREC=fp8_gemm.F32_DOT, num_warps=4 if M <= 16 else 2)
+                                               PREC=fp8_gemm.F32_DOT, num_warps=4 if M <= 16 else 2, **pdl(x))
     return part
 
 
@@ -254,10 +261,11 @@ if triton is not None:
     @triton.jit
     def _route_kernel(PART, BIAS, HASH, WOUT, IOUT, scale, E: tl.constexpr, EP: tl.constexpr, SPLIT: tl.constexpr,
                       SB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr,
-                      NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+                      NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
         """One token: logits (the SPLIT partials of _hc_mix_kernel, summed) -> scores (FUNC 0 softmax,
         1 sigmoid, 2 sqrt(softplus)), the top K of scores + bias (or the hash layer's K ids), their scores
         normalized (NORM) and scaled."""
+        pdl_wait(PDL)
         t = tl.program_id(0)
         re = tl.arange(0, EP)
         me = re < E
@@ -313,7 +321,7 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
                             float(scale), E=E, EP=part.shape[2], SPLIT=part.shape[1],
                             SB=max(1, min(32, 1024 // part.shape[2])), K=k, KP=max(2, pow2(k)),
                             FUNC=_SCORE_FUNC[score_func], HASHED=hashed, NORM=norm, LIBDEVICE=x.is_cuda,
-                            num_warps=1)
+                            num_warps=1, **pdl(part))
     return w, ids
 
 
@@ -336,7 +344,7 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
                                               coll, post, comb, eps, norm_eps, neps, ITERS=iters, N_HC=n, D=D,
                                               NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
                                               HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])),
-                                              num_warps=4)
+                                              num_warps=4, **pdl(xf))
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
@@ -376,14 +384,14 @@ def hc_post(out, x, post, comb, fn=None):
             _hc_post_mix_kernel[(n * D // chunk, N)](out.contiguous(), x.contiguous(), post.contiguous(),
                                                     comb.contiguous(), y, fn.contiguous(), part, N_HC=n, D=D,
                                                     NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk,
-                                                    num_warps=2)
+                                                    num_warps=2, **pdl(out))
         return y, part
     if N:
         big = N >= 1024  # training-sized: wider tiles, fewer warps (measured on an H200); decode keeps more programs
         bd = min(512 if big else 256, pow2(D))
         _hc_post_kernel[(N, triton.cdiv(D, bd))](out.contiguous(), x.contiguous(), post.contiguous(),
                                                  comb.contiguous(), y, N_HC=n, D=D, NP=pow2(n), BLOCK=bd,
-                                                 num_warps=2 if big else 4)
+                                                 num_warps=2 if big else 4, **pdl(out))
     return y
 
 
@@ -488,7 +496,7 @@ def _rms_fwd(x, weight, eps: float):
     y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if rows:
         _rms_kernel[(rows,)](x2, weight if weight is not None else x2, y, eps, x2.stride(0), D=D, BLOCK=pow2(D),
-                             WEIGHTED=weight is not None, num_warps=4 if D <= 2048 else 8)
+                             WEIGHTED=weight is not None, num_warps=4 if D <= 2048 else 8, **pdl(x2))
     return y.view(x.shape)
 
 
@@ -528,8 +536,9 @@ def rms_norm(x, weight, eps: float):
 if triton is not None:
     @triton.jit
     def _rope_kernel(X, COS, SIN, Y, per, ncos, sign, DIM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                     HB: tl.constexpr):
+                     HB: tl.constexpr, PDL: tl.constexpr = False):
         """Row r of x (per rows share a cos/sin row; the row index wraps over the ncos table rows)."""
+        pdl_wait(PDL)
         r = tl.program_id(0).to(tl.int64)
         c = (r // per) % ncos
         rd = tl.arange(0, BLOCK)
@@ -554,7 +563,7 @@ def _rope_launch(x, cos, sin, sign: float, per: int):
     rows = xc.numel() // dim
     if rows:
         _rope_kernel[(rows,)](xc, cos, sin, y, per, cos.numel() // half, sign, DIM=dim, HALF=half,
-                              BLOCK=pow2(max(dim - 2 * half, 1)), HB=pow2(half), num_warps=1)
+                              BLOCK=pow2(max(dim - 2 * half, 1)), HB=pow2(half), num_warps=1, **pdl(xc))
     return y
 
 
@@ -610,10 +619,12 @@ def rope(x, cos, sin, inverse: bool = False):
 if triton is not None:
     @triton.jit
     def _norm_rope_kernel(X, W, COS, SIN, Y, OUT2, ROWS2, eps, stride_x, per, ncos, DIM: tl.constexpr,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """Row r: RMSNorm (weight W, or unweighted: the factor rounded to x's dtype first, as the twin does), then
         the last HALF channel pairs rotated by row (r // per) % ncos of cos/sin; to Y, and (STORE2) to row
         ROWS2[r] of OUT2 too."""
+        pdl_wait(PDL)
         r = tl.program_id(0).to(tl.int64)
         rd = tl.arange(0, BLOCK)
         md = rd < DIM
@@ -650,5 +661,5 @@ def norm_rope(x, weight, eps: float, cos, sin, store=None):
         _norm_rope_kernel[(rows,)](x2, weight if weight is not None else x2, cos, sin, y, buf, idx, eps, x2.stride(0),
                                    per, cos.numel() // half, DIM=dim, HALF=half, BLOCK=pow2(dim),
                                    WEIGHTED=weight is not None, STORE2=store is not None,
-                                   num_warps=4 if dim >= 1024 else 2)
+                                   num_warps=4 if dim >= 1024 else 2, **pdl(x2))
     return y

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import act_quant, act_quant_ref, divisor_at_most, pow2, tickets, triton, use_triton
+from .fp8_gemm import (act_quant, act_quant_ref, divisor_at_most, pdl, pdl_wait, pow2, tickets, triton,
+                       use_triton)
 from .quant import BLOCK, fp8_max
 
 if triton is not None:
@@ -73,13 +74,14 @@ if triton is not None:
     @triton.jit
     def _moe_align_kernel(IDS, SLOTS, BEXP, S_rt, nb_rt, E1: tl.constexpr, BM: tl.constexpr, NE: tl.constexpr,
                           C: tl.constexpr, CB: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, S_C: tl.constexpr,
-                          NB_C: tl.constexpr, DYNAMIC: tl.constexpr):
+                          NB_C: tl.constexpr, DYNAMIC: tl.constexpr, PDL: tl.constexpr = False):
         """Program e of E1 (one an expert): every program counts all experts' slots (a histogram of each chunk of C
         slots) for the padded offsets; program e then places its expert's slots in slot order (a running cumsum
         of "mine" over the chunks) and pads its own rows; the row blocks' experts (how many experts end at or
         before a block's first row) and the rows past the last block are shared out in chunks, program e taking
         chunks e, e + E1, ... DYNAMIC: sizes as runtime values (GPU); else the constexpr copies (the interpreter
         loops over Python ints only)."""
+        pdl_wait(PDL)
         if DYNAMIC:
             S = S_rt
             nb = nb_rt
@@ -141,7 +143,7 @@ def _align_triton(ids: torch.Tensor, n_experts: int, block_m: int, n_shared: int
     _moe_align_kernel[(n_experts,)](flat, slots, bexp, S, nb, E1=n_experts, BM=block_m, NE=ne,
                                     C=min(ALIGN_CHUNK, max(32, pow2(S))), CB=ALIGN_BLOCKS,
                                     KR=k, KT=k + n_shared, S_C=0 if dyn else S, NB_C=0 if dyn else nb, DYNAMIC=dyn,
-                                    num_warps=ALIGN_WARPS)
+                                    num_warps=ALIGN_WARPS, **pdl(flat))
     return slots, bexp
 
 
@@ -192,12 +194,13 @@ if triton is not None:
     def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SH, HDT, SLOTS, BEXP, PART, CNT, n_slots, stride_x, limit, fmax,
                        K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SCALED: tl.constexpr,
                        QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       KSPLIT: tl.constexpr):
+                       KSPLIT: tl.constexpr, PDL: tl.constexpr = False):
         """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...) of h = SwiGLU(x W1^T, x W3^T), rounded
         to HDT's dtype. QUANT (BLOCK_N == BLOCK_K: a tile is one 1x128 group a row): h leaves as the down
         kernel's FP8 input, H (fp8) and SH (scales), in act_quant's arithmetic. KSPLIT > 1: program ks takes the
         ks-th K range and stores its two fp32 partials in PART[ks]; the tile's last program to finish (a ticket
         counter in CNT, put back to 0) adds the KSPLIT partials in range order and finishes the tile."""
+        pdl_wait(PDL)
         pb, pn, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         e = tl.load(BEXP + pb)
         if e < 0:
@@ -259,7 +262,9 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         pb, pn = tl.program_id(0), tl.program_id(1)
         e = tl.load(BEXP + pb)
         if e < 0:
@@ -291,9 +296,11 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr):
+    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y in slot order (fp32), skipping routed
         slots whose expert is not here (id E: never written)."""
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         rd = tl.program_id(1) * BD + tl.arange(0, BD)
         md = rd < D
@@ -372,7 +379,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     _moe_up_kernel[(nb, nt, ks)](
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
         xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, num_warps=nw, num_stages=ns)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, num_warps=nw, num_stages=ns, **pdl(x))
     if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:
@@ -381,11 +388,17 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
         hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
         K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
-        num_stages=ns2)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        num_stages=ns2, **pdl(x))
+    return _slot_sum(y, ids.contiguous(), E, k, kt, x.dtype)
+
+
+def _slot_sum(y, ids, E: int, k: int, kt: int, dtype):
+    """y (T * kt, D) fp32 slot rows -> (T, D) in dtype: each token's kt slots summed (_moe_sum_kernel)."""
+    T, D = y.shape[0] // kt, y.shape[1]
+    out = torch.empty(T, D, dtype=dtype, device=y.device)
     if T:
         bd = min(1024, pow2(D))
-        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids.contiguous(), out, E, D=D, KR=k, KT=kt, BD=bd, num_warps=4)
+        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids, out, E, D=D, KR=k, KT=kt, BD=bd, num_warps=4, **pdl(y))
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import pow2, triton
+from .fp8_gemm import pdl, pdl_wait, pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -35,7 +35,8 @@ if triton is not None:
 
     @triton.jit
     def _sample_part_kernel(LOGITS, TEMP, SEEDS, STEPS, PART, V, stride, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                            BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         b, sp = tl.program_id(0), tl.program_id(1)
         t = tl.load(TEMP + b)
         greedy = t == 0
@@ -79,7 +80,8 @@ if triton is not None:
         tl.store(base + 4, l)
 
     @triton.jit
-    def _sample_combine_kernel(PART, TOK, LP, SPLIT: tl.constexpr, SP2: tl.constexpr):
+    def _sample_combine_kernel(PART, TOK, LP, SPLIT: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait(PDL)
         b = tl.program_id(0)
         r = tl.arange(0, SP2)
         mr = r < SPLIT
@@ -109,6 +111,6 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
         logits = logits.contiguous()
         _sample_part_kernel[(B, split)](logits, temps.float().contiguous(), seeds, steps, part, V, logits.stride(0),
                                         SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
-                                        num_warps=8)
-        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split))
+                                        num_warps=8, **pdl(logits))
+        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), **pdl(part))
     return tok, lp
