@@ -6,7 +6,8 @@ Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a'
 cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), fp8_linear_fused (one launch) at
 its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program), and up to 4 rows the GEMV kernel
 (--sweep: its programs x warps; the BF16 input GEMMs too). --moe: fused_moe, FP8 and BF16,
-at its default tiles and (with --sweep) others, the k + shared experts of mini's routing.
+at its default tiles and (with --sweep) others, and up to 4 tokens its GEMV kernels, the k + shared experts of mini's
+routing.
 
 Each call reads its weights from HBM, not L2: the CUDA graph that is timed cycles through enough copies of the
 weights to exceed the L2 (graph of R calls, replayed; us per call = time / R). Weight GB/s = weight bytes / time
@@ -162,6 +163,9 @@ def experts(c: ModelConfig, batches, sweep: bool):
                                                                       tiles=tiles) for a in layers])
                 except triton.runtime.errors.OutOfResources:  # e.g. BF16 128-wide tiles at 4 stages
                     torch.cuda.synchronize()
+            if M <= 4:  # the GEMV kernels (fused_moe's default up to MOE_GEMV_TOKENS)
+                row["gemv"] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts, gemv=True)
+                                        for a in layers])
             print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB), us a call"
                   f" (weight GB/s), (up tiles), (down tiles) as (BLOCK_N, warps, stages):", flush=True)
             for t, v in sorted(row.items(), key=lambda r: r[1]):

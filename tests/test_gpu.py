@@ -131,12 +131,12 @@ def test_fp8_linear_grouped(M, N, K, G):
     assert got.shape == want.shape and rel(got, want) < 1e-3
 
 
-@pytest.mark.parametrize("T", [1, 64, 256])
+@pytest.mark.parametrize("T", [1, 2, 64, 256])
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("n_shared,absent", [(0, 0.0), (1, 0.0), (0, 0.3)])
 def test_fused_moe(T, fp8, n_shared, absent):
     """The grouped kernels against the per-expert loop: plain, with the last expert shared (every token, weight 1),
-    with slots on another rank (id E, skipped)."""
+    with slots on another rank (id E, skipped). 1-2 tokens: the GEMV kernels, against the tiled ones below too."""
     E, k, D, I = 32, 6, 2048, 1024
     g = torch.Generator("cuda").manual_seed(T)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -170,6 +170,17 @@ INTERPRETED = textwrap.dedent("""
         got = km.fused_moe(xs, ids_sh, wt, *w_, n_shared=1, tiles=((64, 4, 3, 2), (64, 4, 3)))
         assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert int(_COUNTERS[x.device].abs().sum()) == 0
+    # the GEMV kernels of a few tokens (K 256 over 2 blocks, 128 over 1; I 256), FP8 and plain weights, a shared
+    # expert and slots on another rank, against the tiled kernels' result (x quantized by the act_quant kernel,
+    # in the interpreter's fp8 casts as the GEMV kernels' own quantization)
+    km.act_quant = act_quant_kernel
+    for n_sh in (0, 1):
+        for T_ in (1, 2):
+            for w_ in ((q2[0][0], q2[1][0], q2[2][0], q2[0][1], q2[1][1], q2[2][1]), ws2):
+                want = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh, gemv=False)
+                got = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh)
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (n_sh, T_)
+    km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
     pool, sink = torch.randn(10, BE, d, generator=g), torch.randn(H, generator=g)
