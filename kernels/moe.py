@@ -377,9 +377,8 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    for X, W, S, W3, S3, Y, N, K, gated in ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False)):
-        if not T:
-            break
+    launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
+    for X, W, S, W3, S3, Y, N, K, gated in launches if T else ():
         bn = slab_rows(N, K * W.element_size() * (2 if gated else 1))
         _moe_gemv_kernel[(T * kt, N // bn)](
             X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
