@@ -330,6 +330,8 @@ if triton is not None:
                 x = tl.load(X + m * stride_x + g * K + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
                             other=0.0).to(tl.float32)
                 tl.store(Y + m * stride_y + rn, slab_dot(w, sw, x, fmax, SCALED).to(Y.dtype.element_ty))
+else:
+    slab_dot = None
 
 
 # Rows up to which the linears take the GEMV kernel, the programs it aims for, its warps. On an H200, mini's
