@@ -1227,6 +1227,15 @@ def run_rollout(cfg: RunConfig, d: Dist):
     serve(engine, 0, d.sync_group, d.device, reply=d.rollout_ep is None or d.rollout_ep[2] == 0)
 
 
+def quiet_exit(rank: int, grace_s: float = 10.0):
+    """A failure every rank meets alike: ranks other than 0 exit (code 2) without a word, after a grace period,
+    so torchrun, which stops every rank once one has exited, does not stop rank 0 before it has said why (the
+    launch ends as soon as rank 0 exits)."""
+    if rank != 0:
+        time.sleep(grace_s)
+        raise SystemExit(2)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="GRPO for DeepSeek-V4 MoE models (run under torchrun).")
     ap.add_argument("--config", required=True)
@@ -1244,10 +1253,12 @@ def main(argv=None):
         if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():
             raise ConfigError(f"--resume {args.resume}: not a complete checkpoint (no meta.json)")
         task, tok = make_task(cfg)
-    except ConfigError as e:  # the same on every rank: said once
-        raise SystemExit(f"config error: {e}" if rank == 0 else 2) from None
+    except ConfigError as e:  # the same on every rank: said once, by rank 0
+        quiet_exit(rank)
+        raise SystemExit(f"config error: {e}") from None
     except SystemExit as e:
-        raise SystemExit(e.code if rank == 0 else 2) from None
+        quiet_exit(rank)
+        raise SystemExit(e.code) from None
     d = init_dist(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
