@@ -83,7 +83,7 @@ def test_jsonl_task_bad_lines_and_split(tmp_path):
 
 
 def test_hf_tokenizer_trained_here_with_chat_template(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
