@@ -456,8 +456,8 @@ class SeqState:
 def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
     tables) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are) of
-    the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next mHC's mix partials
-    (hc_post_mix)."""
+    the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
+    mHC's mix partials (hc_post_mix)."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
     routing, part = [], None
