@@ -205,6 +205,42 @@ if triton is not None:
         tl.store(PART + (t * SPLIT + s) * MIXP + rm, tl.where(rm == MIXP - 1, tl.sum(y * y, 0), acc))
 
     @triton.jit
+    def _hc_post_mix_rows_kernel(OUT, X, POST, COMB, Y, FN, PART, N, N_HC: tl.constexpr, D: tl.constexpr,
+                                 NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr,
+                                 BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (s, token block b): _hc_post_mix_kernel's work for BT tokens at once, the chunk's weights loaded
+        once for all of them. The mix partials take _hc_mix_kernel's steps (tensor-core products of PREC over BK
+        columns of BT rows, accumulated; the sum of squares beside them), so they equal what that kernel gives
+        over the stored streams with the same tiles."""
+        pdl_wait(PDL)
+        s, b = tl.program_id(0), tl.program_id(1)
+        SPLIT: tl.constexpr = N_HC * D // CHUNK
+        i = s // (D // CHUNK)
+        t = (b * BT + tl.arange(0, BT)).to(tl.int64)
+        mt = t < N
+        rj = tl.arange(0, NP)
+        mj = rj < N_HC
+        rm = tl.arange(0, MIXP)
+        post = tl.load(POST + t * N_HC + i, mask=mt, other=0.0)
+        comb = tl.load(COMB + t[:, None] * (N_HC * N_HC) + rj[None, :] * N_HC + i, mask=mt[:, None] & mj[None, :],
+                       other=0.0)  # comb[t, j, i]
+        acc = tl.zeros((BT, MIXP), tl.float32)
+        ss = tl.zeros((BT,), tl.float32)
+        for f0 in range(0, CHUNK, BK):
+            rd = (s % (D // CHUNK)) * CHUNK + f0 + tl.arange(0, BK)
+            x = tl.load(X + t[:, None, None] * (N_HC * D) + rj[None, :, None] * D + rd[None, None, :],
+                        mask=mt[:, None, None] & mj[None, :, None], other=0.0).to(tl.float32)  # (BT, NP, BK)
+            out = tl.load(OUT + t[:, None] * D + rd[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
+            y = (post[:, None] * out + tl.sum(comb[:, :, None] * x, 1)).to(Y.dtype.element_ty)
+            tl.store(Y + t[:, None] * (N_HC * D) + i * D + rd[None, :], y, mask=mt[:, None])
+            y = y.to(tl.float32)
+            w = tl.load(FN + rm[None, :] * (N_HC * D) + i * D + rd[:, None], mask=(rm < MIX)[None, :], other=0.0)
+            acc = tl.dot(y, w.to(tl.float32), acc, input_precision=PREC)
+            ss += tl.sum(y * y, 1)
+        acc = tl.where(rm[None, :] == MIXP - 1, ss[:, None], acc)
+        tl.store(PART + (t[:, None] * SPLIT + s) * MIXP + rm[None, :], acc, mask=mt[:, None])
+
+    @triton.jit
     def _rms_row(X, W, r, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
         """Row r of x RMS-normed, fp32 (BLOCK,) before the cast to x's dtype."""
         rd = tl.arange(0, BLOCK)
@@ -229,6 +265,16 @@ if triton is not None:
 
 
 MIX_CHUNK = 64  # columns a mix partial sums (_mix_partials and hc_post's: one layout)
+MIX_ROWS = 16   # rows a mix program takes (_mix_partials at every M; hc_post's past POST_MIX_TOKENS)
+
+
+def _mix_warps(M: int) -> int:
+    return 4 if M <= 16 else 2
+
+
+def _mix_step(mixp: int) -> int:
+    """Columns of a mix product step: the chunk, or fewer where the (step x mixp) fp32 weight tile would pass 16 KB."""
+    return max(16, min(MIX_CHUNK, 4096 // mixp))
 
 
 def _mix_width(n: int, ssq: bool) -> int:
@@ -247,13 +293,13 @@ def _mix_partials(x, w, ssq: bool = False):
     against 1.7 / 1.8; 16 rows 2.2 against 2.6; 64 rows 3.0 / 2.2 against 5.9 / 2.6; 256 rows 6.5 / 2.9
     against 18.7 / 5.8. Relative error against float64 2e-7 (1e-7 before)."""
     M, K = x.shape
-    n, bm, chunk = w.shape[0], 16, MIX_CHUNK
+    n, bm, chunk = w.shape[0], MIX_ROWS, MIX_CHUNK
     mixp = _mix_width(n, ssq)
     split = triton.cdiv(K, chunk)
     part = torch.empty(M, split, mixp, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(triton.cdiv(M, bm), split)](x, w.contiguous(), part, M, F=K, MIX=n, MIXP=mixp, SPLIT=split,
-                                               CHUNK=chunk, BM=bm, BK=max(16, min(chunk, 4096 // mixp)), SSQ=ssq,
-                                               PREC=fp8_gemm.F32_DOT, num_warps=4 if M <= 16 else 2, **pdl(x))
+                                               CHUNK=chunk, BM=bm, BK=_mix_step(mixp), SSQ=ssq,
+                                               PREC=fp8_gemm.F32_DOT, num_warps=_mix_warps(M), **pdl(x))
     return part
 
 
@@ -361,30 +407,35 @@ def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None, part=Non
     return _hc_launch(x, fn, base, scale, 0, eps, norm_eps, norm, True, part)[0]
 
 
-# hc_post with the next mix's partials in one launch, up to this many tokens. Measured on an H200 (mini's mHC:
-# 4 streams x 2048, 24 mix outputs), us a call against hc_post + the mix kernel: 1 token 2.4 against 3.4, 16 tokens
-# 4.0 against 4.6; at 64 tokens (a variant looping over tokens) 11.3 against 8.0: each program reads its chunk's
-# weights, 64 MB from L2 at 64 tokens.
-POST_MIX_TOKENS = 16
+# hc_post with the next mix's partials in one launch: one program a (chunk, token) up to this many tokens, past
+# them one a (chunk, 16 tokens) (_hc_post_mix_rows_kernel, the chunk's weights loaded once for the 16). Measured on
+# an H200 (mini's mHC: 4 streams x 2048, 24 mix outputs; CUDA graph, 64 stream copies), us a call, a program a
+# token / 16-token blocks / hc_post + the mix kernel: 1 token 1.75 / 2.01 / 2.89, 4 tokens 2.14 / 2.27 / 3.03,
+# 8 tokens 2.55 / 2.37 / 3.08, 16 tokens 4.93 / 2.49 / 3.17, 64 tokens - / 3.97 / 4.52, 256 - / 9.86 / 9.81.
+POST_MIX_TOKENS = 4
 
 
 def hc_post(out, x, post, comb, fn=None):
     """out (..., D), x (..., n, D), post (..., n), comb (..., n, n) -> (..., n, D) in x.dtype.
     fn: the next mHC's mix weights (m, n * D) -> (new streams, their mix partials for that hc_pre / hc_head's
-    part, from the same kernel; None past POST_MIX_TOKENS tokens or where D is not a multiple of MIX_CHUNK)."""
+    part, from the same kernel; None where D is not a multiple of MIX_CHUNK). Past POST_MIX_TOKENS tokens the
+    partials are the mix kernel's own (_mix_partials over the new streams gives the same bits)."""
     *lead, n, D = x.shape
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
     if fn is not None:
-        if D % MIX_CHUNK or N > POST_MIX_TOKENS:
+        if D % MIX_CHUNK:
             return hc_post(out, x, post, comb), None
         chunk, mixp = MIX_CHUNK, _mix_width(fn.shape[0], True)
         part = torch.empty(N, n * D // chunk, mixp, dtype=torch.float32, device=x.device)
-        if N:
-            _hc_post_mix_kernel[(n * D // chunk, N)](out.contiguous(), x.contiguous(), post.contiguous(),
-                                                    comb.contiguous(), y, fn.contiguous(), part, N_HC=n, D=D,
-                                                    NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk,
-                                                    num_warps=2, **pdl(out))
+        args = (out.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), y, fn.contiguous(), part)
+        if 0 < N <= POST_MIX_TOKENS:
+            _hc_post_mix_kernel[(n * D // chunk, N)](*args, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp,
+                                                    CHUNK=chunk, num_warps=2, **pdl(out))
+        elif N:  # _mix_partials' tiles and warps, so the partials are its own
+            _hc_post_mix_rows_kernel[(n * D // chunk, triton.cdiv(N, MIX_ROWS))](
+                *args, N, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk, BT=MIX_ROWS,
+                BK=_mix_step(mixp), PREC=fp8_gemm.F32_DOT, num_warps=_mix_warps(N), **pdl(out))
         return y, part
     if N:
         big = N >= 1024  # training-sized: wider tiles, fewer warps (measured on an H200); decode keeps more programs

@@ -249,15 +249,16 @@ def test_fused_hc_and_norms(n, monkeypatch):
         assert rel(fused.hc_head(x[:rows], fn[:n], base[:n], sc[:1], 1e-6, 1e-6, (nm.weight, nm.eps)), want_head) < 1e-2
     out = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     assert rel(fused.hc_post(out, x, want[1], want[2]), hc_post(out, x, want[1], want[2])) < 1e-2
-    # hc_post with the next mHC's mix partials (the engine's run_layers, up to 16 tokens): hc_post's result (the
-    # same formula; the compiler may contract it into FMAs in another order, so not always the same bits), the
-    # partials against the mix kernel's, each row's the same alone and in a batch; past 16 tokens, no partials
-    y16 = fused.hc_post(out[:16], x[:16], want[1][:16], want[2][:16])
-    y, part = fused.hc_post(out[:16], x[:16], want[1][:16], want[2][:16], fn)
-    assert rel(y, y16) < 1e-3 and rel(part, fused._mix_partials(y.flatten(-2), fn, ssq=True)) < 1e-5
+    # hc_post with the next mHC's mix partials (the engine's run_layers; a program a token up to POST_MIX_TOKENS):
+    # hc_post's result (the same formula; the compiler may contract it into FMAs in another order, so not always
+    # the same bits), the partials against the mix kernel's, each row's the same alone and in a batch
+    few = fused.POST_MIX_TOKENS
+    yf = fused.hc_post(out[:few], x[:few], want[1][:few], want[2][:few])
+    y, part = fused.hc_post(out[:few], x[:few], want[1][:few], want[2][:few], fn)
+    assert rel(y, yf) < 1e-3 and rel(part, fused._mix_partials(y.flatten(-2), fn, ssq=True)) < 1e-5
     for a, b in zip(fused.hc_pre(y, fn, base, sc, 20, 1e-6, 1e-6, None, part), fused.hc_pre(y, fn, base, sc, 20, 1e-6, 1e-6)):
         assert rel(a, b) < 1e-3
-    for rows in (1, 5):
+    for rows in (1, few - 1):
         assert torch.equal(fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows], fn)[1], part[:rows])
     # the mix products in the device's fp32 dot passes (tf32x3 on NVIDIA) and in ROCm's (bf16x6), and in float64
     from kernels import fp8_gemm
@@ -267,7 +268,14 @@ def test_fused_hc_and_norms(n, monkeypatch):
     monkeypatch.setattr(fp8_gemm, "F32_DOT", "bf16x6")
     b = fused._mix_partials(xf, fn).sum(1)[:, :fn.shape[0]]
     assert rel(a.double(), exact) < 1e-6 and rel(b.double(), exact) < 1e-6 and rel(a, b) < 1e-6
-    assert fused.hc_post(out[:17], x[:17], want[1][:17], want[2][:17], fn)[1] is None
+    # past that a program a 16-token block: the mix kernel's own partials over the streams it stored, and each
+    # row's the same in any batch of that size (16 rows and fewer: 4 warps, past them 2, as the mix kernel)
+    for rows in (few + 1, 16, 17, 64):
+        y, part = fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows], fn)
+        assert rel(y, fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows])) < 1e-3
+        assert torch.equal(part, fused._mix_partials(y.flatten(-2), fn, ssq=True)), rows
+        r0 = few + 1 if rows <= 16 else 17
+        assert torch.equal(part[:r0], fused.hc_post(out[:r0], x[:r0], want[1][:r0], want[2][:r0], fn)[1]), rows
     xb = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(fused.rms_norm(xb, None, 1e-6), rms_unweighted(xb, 1e-6))
     norm = RMSNorm(512, 1e-6).cuda()

@@ -229,8 +229,9 @@ INTERPRETED = textwrap.dedent("""
         assert (got_head - want_head).abs().max() < 1e-5 * want_head.abs().max(), n
         out = torch.randn(5, D, generator=g)
         assert (fused.hc_post(out, xs, want[1], want[2]) - hc_post(out, xs, want[1], want[2])).abs().max() < 1e-5
-    # hc_post with the next mHC's mix partials (the engine's path: D a multiple of 64, up to 16 tokens)
-    for n, D, N in ((4, 128, 5), (3, 192, 9)):
+    # hc_post with the next mHC's mix partials (the engine's path: D a multiple of 64; a program a token up to
+    # POST_MIX_TOKENS, a program a 16-token block past them)
+    for n, D, N in ((4, 128, 3), (3, 192, 9), (4, 128, 21)):
         xs, out = torch.randn(N, n, D, generator=g), torch.randn(N, D, generator=g)
         fn, base, sc = torch.randn((2 + n) * n, n * D, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
         _, post, comb = _hc_pre(xs, fn, base, sc, 20, 1e-6, 1e-6)
@@ -250,8 +251,9 @@ INTERPRETED = textwrap.dedent("""
     assert part is None and torch.equal(y, fused.hc_post(out, xs, post, comb))
     xs, out, fn = torch.randn(17, 4, 64, generator=g), torch.randn(17, 64, generator=g), torch.randn(24, 256, generator=g)
     _, post, comb = _hc_pre(xs, fn, torch.zeros(24), torch.ones(3), 3, 1e-6, 1e-6)
-    y, part = fused.hc_post(out, xs, post, comb, fn)  # past 16 tokens: hc_post alone (hc_pre runs the mix)
-    assert part is None and torch.equal(y, fused.hc_post(out, xs, post, comb))
+    y, part = fused.hc_post(out, xs, post, comb, fn)  # past 16 tokens: 16-token blocks, the mix kernel's partials
+    assert (y - fused.hc_post(out, xs, post, comb)).abs().max() < 1e-5
+    assert torch.equal(part, fused._mix_partials(y.flatten(-2), fn, ssq=True))
     xs = torch.randn(1, 1, 4100, generator=g)  # D > 4096: the norm as a second pass over the stored row
     fn, base = torch.randn(3, 4100, generator=g) * 0.1, torch.randn(3, generator=g)
     norm = RMSNorm(4100, 1e-6)
