@@ -172,6 +172,26 @@ def main(argv=None):
     ap.add_argument("--profile", default="", help="B:fp8|bf16,...: the top CUDA kernels of batch-B decode steps")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+
+    def sizes(flag: str, text: str) -> list[int]:
+        """A comma list of positive integers ('' for none), or a usage error naming the flag."""
+        try:
+            out = [int(b) for b in text.split(",") if b.strip()]
+        except ValueError:
+            out = [0]
+        if any(b < 1 for b in out):
+            ap.error(f"{flag} {text!r}: positive integers separated by commas ('' for none)")
+        return out
+    batches, bf16_batches = sizes("--batches", args.batches), sizes("--bf16-batches", args.bf16_batches)
+    ctxs = sizes("--long-ctx", args.long_ctx)
+    profiles = []
+    for item in filter(str.strip, args.profile.split(",")):
+        b, _, kind = item.partition(":")
+        if kind not in ("fp8", "bf16") or len(sizes("--profile", b)) != 1:
+            ap.error(f"--profile {args.profile!r}: B:fp8 or B:bf16 items separated by commas")
+        profiles.append((int(b), kind))
+    if args.gen_len < 2 or args.prompt_len < 1:
+        ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens and a 1-token prompt")
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     res = {"device": torch.cuda.get_device_name(), "config": args.config, "torch": torch.__version__,
            # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
@@ -179,9 +199,8 @@ def main(argv=None):
                                     text=True).stdout.strip()}
     res["copy_gb_s"] = copy_bandwidth() / 1e9
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    batches = [int(b) for b in args.batches.split(",") if b]
     max_len = args.prompt_len + args.gen_len + 1
-    for name, fp8, bs in (("fp8", True, batches), ("bf16", False, [int(b) for b in args.bf16_batches.split(",") if b])):
+    for name, fp8, bs in (("fp8", True, batches), ("bf16", False, bf16_batches)):
         if not bs:
             continue
         eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=max(bs), max_model_len=max_len)
@@ -196,11 +215,9 @@ def main(argv=None):
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    if args.profile:
-        for spec in args.profile.split(","):
-            print(profile_decode(model, max_len, int(spec.split(":")[0]), spec.endswith(":fp8")), flush=True)
-    if args.long_ctx and args.long_batch:
-        ctxs = [int(c) for c in args.long_ctx.split(",")]
+    for B, kind in profiles:
+        print(profile_decode(model, max_len, B, kind == "fp8"), flush=True)
+    if ctxs and args.long_batch:
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,
                      max_model_len=max(ctxs) + args.long_gen + 1)
         res["long"] = []
