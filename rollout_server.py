@@ -980,15 +980,16 @@ class Runner:
             wrope[key] = slots * attn.window + pos % attn.window
         pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
         q = pr["q"][0]
+        unrope = tables[attn.rope_kind]  # the kernel rotates its output back (project_out's inverse RoPE)
         if attn.compressor is None:
-            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale)
+            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, unrope=unrope)
         else:
             table = tabs[c.kind[li]]
             count = self._compress_step(li, attn.compressor, "", pr["ckv"][0], pr["cgate"][0], pos, slots, table,
                                         c.entries[li], wrope)
             if attn.indexer is None:
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                       count=count)
+                                       count=count, unrope=unrope)
             else:
                 self._compress_step(li, attn.indexer.compressor, "i", pr["ikv"][0], pr["igate"][0], pos, slots, table,
                                     c.ikeys[li], wrope)
@@ -996,8 +997,8 @@ class Runner:
                 sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
                 sel = index_topk(sc, min(attn.indexer.topk, S), count)
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                       sel=sel, count=count)  # (top-k lists a row's valid entries first)
-        return attn.project_out(out[None], *tables[attn.rope_kind])
+                                       sel=sel, count=count, unrope=unrope)  # (top-k lists a row's valid entries first)
+        return attn.project_out(out[None], None, None)
 
     def _decode_eager(self, inp):
         """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as

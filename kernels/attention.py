@@ -6,7 +6,9 @@
         sel (B, K) entry ids picked by the indexer (-1 = none; CSA) or count (B,) = attend to entries [0, count)
         (HCA); with both, sel's positions from count[b] on are ignored (index_topk lists a row's valid ids first,
         at most count of them: the kernel reads only those); sink (H,) per-head logit added to the softmax
-        denominator. MQA: one K == V head for all H.
+        denominator. MQA: one K == V head for all H. unrope (cos, sin) (B, r) fp32: the output (rounded to q's
+        dtype) then takes the inverse rotation of its last 2r dims at each row's angles (model.apply_rope(...,
+        inverse=True), which project_out would otherwise run as one more kernel).
     scores = index_scores(qi, wi, pool, table, count, S)
         the Lightning Indexer: sum_h wi[b, h] * relu(qi[b, h] . k[b, s]) * d^-0.5 for s < count[b], -inf after.
 
@@ -37,7 +39,17 @@ def window_positions(pos, W: int):
     return pos[:, None] - torch.remainder(pos[:, None] - j, W)
 
 
-def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None):
+def unrope_ref(o, cos, sin):
+    """o (B, H, d) -> its last 2r dims rotated back by the angles of cos / sin (B, r), interleaved pairs in fp32
+    (model._rope with -sin)."""
+    r = cos.shape[-1]
+    x0, x1 = o[..., -2 * r::2].float(), o[..., -2 * r + 1::2].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    y = torch.stack((x0 * c + x1 * s, x1 * c - x0 * s), dim=-1).flatten(-2)
+    return torch.cat([o[..., :-2 * r], y.to(o.dtype)], -1)
+
+
+def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None, unrope=None):
     B, H, d = q.shape
     keys = win[slots]
     valid = window_positions(pos, win.shape[1]) >= 0
@@ -56,7 +68,8 @@ def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None,
     logits = logits.masked_fill(~valid[:, None], float("-inf"))
     logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], -1)
     p = logits.softmax(-1)[..., :-1]
-    return torch.einsum("bhk,bkd->bhd", p, keys.float()).to(q.dtype)
+    out = torch.einsum("bhk,bkd->bhd", p, keys.float()).to(q.dtype)
+    return out if unrope is None else unrope_ref(out, *unrope)
 
 
 if triton is not None:
@@ -73,17 +86,33 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, scale, H,
-                            max_blocks, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr, KSEL: tl.constexpr,
-                            CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr, DYNAMIC: tl.constexpr,
-                            NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr = False):
+    def _store_out(ptr, o, mask, COS, SIN, b, d0, R: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
+                   HALF: tl.constexpr):
+        """Store o (R, BD) fp32, columns [d0, d0 + BD) of token b's D-wide heads, rounded to the output's dtype;
+        HALF > 0: then rotated back (unrope_ref's arithmetic on the rounded values) where the columns fall in a
+        head's last HALF pairs."""
+        y = o.to(ptr.dtype.element_ty)
+        if HALF > 0:
+            ye, yo = tl.split(tl.reshape(y.to(tl.float32), (R, BD // 2, 2)))
+            j = d0 // 2 + tl.arange(0, BD // 2) - (D // 2 - HALF)  # the pair's column in the tables (< 0: none)
+            mj = (j >= 0) & (j < HALF)
+            c = tl.load(COS + b * HALF + j, mask=mj, other=1.0)[None, :]
+            s = tl.load(SIN + b * HALF + j, mask=mj, other=0.0)[None, :]
+            y = tl.reshape(tl.join(ye * c + yo * s, yo * c - ye * s), (R, BD)).to(ptr.dtype.element_ty)
+        tl.store(ptr, y, mask=mask)
+
+    @triton.jit
+    def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, COS, SIN,
+                            scale, H, max_blocks, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr,
+                            KSEL: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr,
+                            DYNAMIC: tl.constexpr, NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
         sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
         the sinks, normalizes and stores OUT. Else it stores its running max, sum and unnormalized output (PM, PL,
         PACC) for _decode_combine_kernel, or (MERGE) the last of the NS programs of (token, head block) to finish
         (a ticket counter in CNT, reset to 0 after) merges them in split order with the sinks: the same sum
-        whichever finishes last."""
+        whichever finishes last. HALF > 0: the stored output is rotated back (_store_out)."""
         pdl_wait(PDL)
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -126,7 +155,7 @@ if triton is not None:
             m_new = tl.maximum(m, sink)
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.exp(sink - m_new)
-            tl.store(out, (acc * alpha[:, None] / l[:, None]).to(OUT.dtype.element_ty), mask=mh[:, None])
+            _store_out(out, acc * alpha[:, None] / l[:, None], mh[:, None], COS, SIN, b, 0, BLOCK_H, D, D, HALF)
         else:
             row = (b * H + rh) * NS
             tl.store(PM + row + sp, m, mask=mh)
@@ -146,12 +175,13 @@ if triton is not None:
                     tot += tl.load(PL + row + s, mask=mh, other=0.0, cache_modifier=".cg") * w
                     acc += tl.load(PACC + (row + s)[:, None] * D + rd[None, :], mask=mh[:, None], other=0.0,
                                    cache_modifier=".cg") * w[:, None]
-                tl.store(out, (acc / tot[:, None]).to(OUT.dtype.element_ty), mask=mh[:, None])
+                _store_out(out, acc / tot[:, None], mh[:, None], COS, SIN, b, 0, BLOCK_H, D, D, HALF)
                 tl.store(CNT + tile, 0)
 
     @triton.jit
-    def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, H, D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr,
-                               BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, COS, SIN, H, D: tl.constexpr, NS: tl.constexpr,
+                               NSP: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
+                               PDL: tl.constexpr = False):
         """One (token, head): the NS splits' partial softmaxes merged with the sink's logit, normalized."""
         pdl_wait(PDL)
         r, db = tl.program_id(0), tl.program_id(1)
@@ -166,7 +196,8 @@ if triton is not None:
         rd = db * BLOCK_D + tl.arange(0, BLOCK_D)
         acc = tl.load(PACC + (r * NS + rs[:, None]) * D + rd[None, :], mask=ms[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tot
-        tl.store(OUT + r * D + rd, out.to(OUT.dtype.element_ty))
+        _store_out(OUT + r * D + rd[None, :], out[None, :], rd[None, :] < D, COS, SIN, r // H, db * BLOCK_D, 1,
+                   BLOCK_D, D, HALF)
 
 
 def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, int, int, bool]:
@@ -186,12 +217,14 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, i
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
-                     splits: int | None = None, merge: bool | None = None):
+                     splits: int | None = None, merge: bool | None = None, unrope=None):
     """decode_attention_ref's result: the key range split `splits` ways per (token, head block), merged with the
     sinks by the last split to finish or by a combine kernel (_attn_plan; merge=True / False forces either)."""
     B, H, d = q.shape
+    half = 0 if unrope is None else unrope[0].shape[-1]
     if not use_triton(q) or d < 16 or d & (d - 1):
-        return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count)
+        return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count, unrope)
+    cos, sin = (t.float().contiguous() for t in unrope) if half else (q, q)
     out = torch.empty_like(q)
     mode = 0 if pool is None else (1 if sel is not None else 2)
     dummy = slots
@@ -210,15 +243,16 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
             q.contiguous(), win, slots, pos, sink, pm, pl, pacc, out,
             tickets(q.device, B * hb) if fuse and ns > 1 else pm,
             pool if pool is not None else win, table if table is not None else dummy,
-            sel.contiguous() if sel is not None else dummy, count if count is not None else dummy,
+            sel.contiguous() if sel is not None else dummy, count if count is not None else dummy, cos, sin,
             scale, H, table.shape[1] if table is not None else 0,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
-            num_warps=8 if d >= 256 else 4, num_stages=stages, **pdl(q))
+            HALF=half, num_warps=8 if d >= 256 else 4, num_stages=stages, **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)
-            _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, H, D=d, NS=ns, NSP=max(2, pow2(ns)),
-                                                     BLOCK_D=bd, num_warps=4, **pdl(q))
+            _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, cos, sin, H, D=d, NS=ns,
+                                                     NSP=max(2, pow2(ns)), BLOCK_D=bd, HALF=half, num_warps=4,
+                                                     **pdl(q))
     return out
 
 

@@ -451,9 +451,11 @@ class Attention(nn.Module):
         return y
 
     def project_out(self, o, cos, sin):
-        """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position."""
+        """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position
+        (cos None: o has it already, as the rollout engine's decode attention kernel gives it)."""
         B, T = o.shape[:2]
-        o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
+        if cos is not None:
+            o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         g = o.reshape(B, T, self.o_groups, -1)
         if hasattr(self.wo_a, "grouped"):  # the rollout engine's FP8 holder: one FP8 GEMM per group
             return self.wo_b(self.wo_a.grouped(g).flatten(2))

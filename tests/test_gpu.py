@@ -5,7 +5,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref  # noqa: E402
+from kernels.attention import (decode_attention, decode_attention_ref, index_scores, index_scores_ref,  # noqa: E402
+                               unrope_ref)
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets  # noqa: E402
 from kernels.moe import _moe_tiles, fused_moe, fused_moe_ref, moe_block_m  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
@@ -202,6 +203,19 @@ def test_decode_attention(mode):
         a = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5,
                              **{k: v[:B1] if k != "pool" else v for k, v in kw.items()})
         assert rel(a, want[:B1]) < 1e-2, B1
+    # the output rotated back in the kernel's store (the engine's project_out then skips its inverse RoPE), at
+    # every merge: the same rotation of the same rounded output (the compiler may fuse its products into FMAs, so
+    # an ulp here and there)
+    from model.model import Rope
+    cs = Rope(64, 10000.0, None)(pos)
+    for splits, merge in ((None, None), (1, None), (5, True), (5, False)):
+        for B1 in (B, 1):
+            kw1 = {k: v[:B1] if k != "pool" else v for k, v in kw.items()}
+            a = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5, splits=splits, merge=merge, **kw1)
+            b = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5, splits=splits, merge=merge,
+                                 unrope=(cs[0][:B1], cs[1][:B1]), **kw1)
+            c = unrope_ref(a, cs[0][:B1], cs[1][:B1])
+            assert torch.equal(b[..., :-64], a[..., :-64]) and rel(b[..., -64:], c[..., -64:]) < 1e-3, (splits, B1)
     assert int(tickets(q.device, 1).abs().sum()) == 0  # the merges put every ticket back
 
 

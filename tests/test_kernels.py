@@ -78,7 +78,7 @@ def test_index_scores_reference_matches_indexer_formula():
 INTERPRETED = textwrap.dedent("""
     import torch
     import kernels.moe as km
-    from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref
+    from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref, unrope_ref
     from kernels.fp8_gemm import act_quant_ref, fp8_gemm, fp8_gemm_ref
     from kernels.quant import quant_fp8_block
     g = torch.Generator().manual_seed(1)
@@ -198,6 +198,10 @@ INTERPRETED = textwrap.dedent("""
         for splits, merge in ((None, None), (1, None), (3, False), (3, True)):  # 3: one split sees no valid key
             a = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, merge=merge, **kw)
             assert (a - decode_attention_ref(qq, win, slots, pos, sink, 0.3, **kw)).abs().max() < 1e-5, splits
+            # the output rotated back in the kernel (the engine's project_out then skips its inverse RoPE)
+            cs = (torch.randn(B, 4, generator=g), torch.randn(B, 4, generator=g))
+            b = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, merge=merge, unrope=cs, **kw)
+            assert (b - unrope_ref(a, *cs)).abs().max() < 1e-5 and torch.equal(b[..., :-8], a[..., :-8]), splits
     assert int(_COUNTERS[x.device].abs().sum()) == 0
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
