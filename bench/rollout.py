@@ -191,7 +191,8 @@ def main(argv=None):
             ap.error(f"--profile {args.profile!r}: B:fp8 or B:bf16 items separated by commas")
         profiles.append((int(b), kind))
     if args.gen_len < 2 or args.prompt_len < 1:
-        ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens and a 1-token prompt")
+        ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens, a 1-token "
+                 "prompt")
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     res = {"device": torch.cuda.get_device_name(), "config": args.config, "torch": torch.__version__,
            # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
