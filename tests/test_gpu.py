@@ -207,7 +207,7 @@ def test_decode_attention(mode):
     # every merge: the same rotation of the same rounded output (the compiler may fuse its products into FMAs, so
     # an ulp here and there)
     from model.model import Rope
-    cs = Rope(64, 10000.0, None)(pos)
+    cs = Rope(64, 10000.0, None).cuda()(pos)
     for splits, merge in ((None, None), (1, None), (5, True), (5, False)):
         for B1 in (B, 1):
             kw1 = {k: v[:B1] if k != "pool" else v for k, v in kw.items()}
