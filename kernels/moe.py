@@ -260,15 +260,10 @@ if triton is not None:
         tl.store(H + rows[:, None] * I + rn[None, :], h.to(H.dtype.element_ty), mask=valid[:, None] & mn[None, :])
 
     @triton.jit
-    def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, IDS, OUT, CNT, n_slots, E,
+    def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
-                         KRP: tl.constexpr, PDL: tl.constexpr = False):
-        """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...): Y[slot] = (h W2^T) times the slot's
-        routing weight (1 for a shared expert), fp32. SUM: then each token's slots are added as _moe_sum_kernel
-        adds them (fp32, slot order, skipping routed slots whose expert is not here: id E) into OUT[token] by the
-        last of its slots' programs to store this column tile (a ticket counter a (token, tile) in CNT, put back
-        to 0), so no launch follows for the sum. Every token must have a slot here (a shared expert does it)."""
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
         pdl_wait(PDL)
         pb, pn = tl.program_id(0), tl.program_id(1)
         e = tl.load(BEXP + pb)
@@ -297,26 +292,6 @@ if triton is not None:
         wt = tl.load(WTS + (slot // KT) * KR + j, mask=valid & (j < KR), other=1.0)
         acc = acc * wt[:, None]
         tl.store(Y + slot[:, None] * D + rn[None, :], acc, mask=valid[:, None] & mn[None, :])
-        if SUM:
-            tok = tl.where(valid, slot // KT, 0)
-            rj = tl.arange(0, KRP)
-            ids = tl.load(IDS + tok[:, None] * KR + rj[None, :], mask=valid[:, None] & (rj < KR)[None, :], other=E)
-            here = ids < E  # (BLOCK_M, KRP): the token's routed slots computed on this rank
-            n_here = tl.sum(here.to(tl.int32), 1) + (KT - KR)
-            tl.debug_barrier()  # the whole tile is written before the tickets are taken
-            ticket = CNT + tok * tl.num_programs(1) + pn
-            last = valid & (tl.atomic_add(ticket, 1, mask=valid) == n_here - 1)  # acq_rel: the others' rows
-            if tl.sum(last.to(tl.int32), 0) > 0:
-                tot = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for jj in tl.static_range(KT):
-                    m = last
-                    if jj < KR:
-                        m = m & (tl.sum(tl.where(rj[None, :] == jj, here.to(tl.int32), 0), 1) > 0)
-                    tot += tl.load(Y + (tok * KT + jj)[:, None] * D + rn[None, :], mask=m[:, None] & mn[None, :],
-                                   other=0.0, cache_modifier=".cg")
-                tl.store(OUT + tok[:, None] * D + rn[None, :], tot.to(OUT.dtype.element_ty),
-                         mask=last[:, None] & mn[None, :])
-                tl.store(ticket, 0, mask=last)
 
 
 if triton is not None:
@@ -340,17 +315,16 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, OUT, CNT, E, stride_x, limit, fmax, N: tl.constexpr,
+    def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, E, stride_x, limit, fmax, N: tl.constexpr,
                          K: tl.constexpr, BN: tl.constexpr, NKBP: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
-                         GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
-                         KRP: tl.constexpr, PDL: tl.constexpr = False):
+                         GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """Program (slot s, pn): rows [pn * BN, (pn + 1) * BN) of the slot's expert (token t = s // KT, its j-th
         slot: routed IDS[t, j] for j < KR, else the shared expert E - KT + j of the E), whole (BN, K) weight slabs
         in one load each and slab_dot, the GEMV kernel's product. GATED (up): Y[s, rows] = SwiGLU(x W1^T, x W3^T)
         for x token t's row of X, in Y's dtype (the tiled up kernel's arithmetic); else (down): Y[s, rows] =
         (X[s] W^T) times the slot's routing weight (1 for a shared expert), fp32. An id of E or more (another
-        rank's expert) stores nothing: the sum skips that slot. SUM (down): the last of a token's slots to store
-        these rows adds them, as the tiled down kernel's SUM does (a ticket a (token, pn) in CNT)."""
+        rank's expert) stores nothing: the sum skips that slot."""
         pdl_wait(PDL)
         s, pn = tl.program_id(0), tl.program_id(1)
         t, j = s // KT, s % KT
@@ -382,21 +356,6 @@ if triton is not None:
         else:
             wt = tl.load(WTS + t * KR + j, mask=j < KR, other=1.0)
             tl.store(Y + s * N + rn, y * wt)
-            if SUM:
-                rj = tl.arange(0, KRP)
-                here = tl.load(IDS + t * KR + rj, mask=rj < KR, other=E) < E
-                tl.debug_barrier()  # the rows are written before the ticket is taken
-                ticket = CNT + t * tl.num_programs(1) + pn
-                if tl.atomic_add(ticket, 1) == tl.sum(here.to(tl.int32), 0) + (KT - KR) - 1:  # acq_rel
-                    tot = tl.zeros((BN,), tl.float32)
-                    for jj in tl.static_range(KT):
-                        ok = True
-                        if jj < KR:
-                            ok = tl.sum(tl.where(rj == jj, here.to(tl.int32), 0), 0) > 0
-                        tot += tl.load(Y + (t * KT + jj) * N + rn, mask=ok & (rn < N), other=0.0,
-                                       cache_modifier=".cg")
-                    tl.store(OUT + t * N + rn, tot.to(OUT.dtype.element_ty))
-                    tl.store(ticket, 0)
 
 
 # fused_moe takes the GEMV kernels up to this many tokens: a few slots, each reading its expert's whole weights.
@@ -406,10 +365,9 @@ if triton is not None:
 MOE_GEMV_TOKENS = 2
 
 
-def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, unfolded_sum: bool = False):
+def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int):
     """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, one program
-    per (slot, slab of weight rows), then the slots' sum (in the down launch with a shared expert, unless
-    unfolded_sum). fused_moe's numerics with the products' sums in another order."""
+    per (slot, slab of weight rows), then the slots' sum. fused_moe's numerics with the sums in another order."""
     T, D = x.shape
     E, I, _ = w1.shape
     k = ids.shape[1]
@@ -418,18 +376,15 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     ids, wts = ids.contiguous(), weights.float().contiguous()
     h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    fold = n_shared > 0 and not unfolded_sum  # the down launch adds the slots (fused_moe's rule)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device) if fold else y
     x = x.contiguous()
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
     for X, W, S, W3, S3, Y, N, K, gated in launches if T else ():
         bn = slab_rows(N, K * W.element_size() * (2 if gated else 1))
         _moe_gemv_kernel[(T * kt, N // bn)](
-            X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, out,
-            tickets(x.device, T * (N // bn)) if fold and not gated else ids, E, X.stride(0), limit,
+            X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
-            SCALED=scaled, BLOCK_K=BLOCK, SUM=fold and not gated, KRP=pow2(k), num_warps=GEMV_WARPS, **pdl(x))
-    return out if fold else _slot_sum(y, ids, E, k, kt, x.dtype)
+            SCALED=scaled, BLOCK_K=BLOCK, num_warps=GEMV_WARPS, **pdl(x))
+    return _slot_sum(y, ids, E, k, kt, x.dtype)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
@@ -467,20 +422,18 @@ def moe_block_m(T: int, scaled: bool = False) -> int:
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
-              tiles=None, block_m: int | None = None, gemv: bool | None = None, unfolded_sum: bool = False):
+              tiles=None, block_m: int | None = None, gemv: bool | None = None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
     rows of a row block (default moe_block_m). gemv: the GEMV kernels instead (_moe_gemv; default up to
-    MOE_GEMV_TOKENS tokens, unless tiles or block_m are given). With shared experts the down kernel adds the slots
-    itself (its SUM); unfolded_sum=True takes the sum kernel instead (the twin: the same arithmetic, so the same
-    bits)."""
+    MOE_GEMV_TOKENS tokens, unless tiles or block_m are given)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
     if not use_triton(x) or D % BLOCK or I % BLOCK:
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
-        return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, unfolded_sum)
+        return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     k = ids.shape[1]
     kt = k + n_shared
     bm = block_m or moe_block_m(T, scaled)
@@ -509,16 +462,11 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     else:
         hq = h
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    ids = ids.contiguous()
-    # the slots' sum in the down kernel where every token has a slot here (a shared expert); else _slot_sum
-    fold = n_shared > 0 and not unfolded_sum
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device) if fold else y
-    nt2 = triton.cdiv(D, bn2)
-    _moe_down_kernel[(nb, nt2)](
-        hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, ids, out,
-        tickets(x.device, T * nt2) if fold else bexp, T * kt, E, K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm,
-        BLOCK_N=bn2, BLOCK_K=BLOCK, SUM=fold, KRP=pow2(k), num_warps=nw2, num_stages=ns2, **pdl(x))
-    return out if fold else _slot_sum(y, ids, E, k, kt, x.dtype)
+    _moe_down_kernel[(nb, triton.cdiv(D, bn2))](
+        hq, sh, w2, s2 if scaled else w2, y, weights.float().contiguous(), slots, bexp, T * kt,
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, num_warps=nw2,
+        num_stages=ns2, **pdl(x))
+    return _slot_sum(y, ids.contiguous(), E, k, kt, x.dtype)
 
 
 def _slot_sum(y, ids, E: int, k: int, kt: int, dtype):

@@ -153,9 +153,6 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
-    # the down kernel's own sum of the slots (with a shared expert): the sum kernel's bits, every ticket put back
-    assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, unfolded_sum=True))
-    assert int(tickets(x.device, 1).abs().sum()) == 0
     # FP8 64-row blocks (wgmma: the products of a 128-wide K block summed at reduced precision) differ from the
     # 16-row blocks by far less than FP8 itself differs from the BF16 weights
     precise = not fp8 or moe_block_m(T, True) < 64
