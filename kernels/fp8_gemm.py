@@ -377,13 +377,18 @@ def gemv(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: in
 
 
 _COUNTERS: dict = {}
+_RETIRED: list = []  # counters a larger request replaced: CUDA graphs captured with them still use them
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
     """The split-K ticket counters of `device` (int32 zeros, >= n): each launch's last programs put theirs back
-    to 0, so launches in one stream share them."""
+    to 0, so launches in one stream share them. A request past the current size takes a larger buffer and keeps
+    the old one alive: a graph captured before still reads and resets that one, and freed, its memory would go
+    to other tensors whose bytes the graph's kernels would take for tickets."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < n:
+        if cnt is not None:
+            _RETIRED.append(cnt)
         cnt = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return cnt
 

@@ -350,3 +350,23 @@ def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_tickets_grow_without_freeing_the_old_counters():
+    """A larger request replaces the ticket counters but keeps the old buffer alive: CUDA graphs captured with it
+    still read and reset it, so its memory must never go to another tensor."""
+    import gc
+    import weakref
+    from kernels import fp8_gemm
+    dev = torch.device("meta")  # a device of its own: the CPU's counters stay as the other tests left them
+    try:
+        old = fp8_gemm.tickets(dev, 10)
+        ref = weakref.ref(old)
+        del old
+        new = fp8_gemm.tickets(dev, 10_000)
+        gc.collect()
+        assert new.numel() >= 10_000 and ref() is not None and ref() is not new
+        assert fp8_gemm.tickets(dev, 5) is new  # smaller requests take the current buffer
+    finally:
+        fp8_gemm._COUNTERS.pop(dev, None)
+        fp8_gemm._RETIRED[:] = [t for t in fp8_gemm._RETIRED if t.device != dev]
