@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import operator
 import os
 import re
 import signal
@@ -65,8 +66,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_tokens < 1:
-            raise ValueError(f"invalid sampling parameters {self}")
+        bad = [f"{k}={getattr(self, k)!r} ({rule})" for k, ok, rule in (
+            ("temperature", self.temperature >= 0, ">= 0, 0 = greedy"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0, 0 = off"), ("max_tokens", self.max_tokens >= 1, ">= 1")) if not ok]
+        if bad:
+            raise ValueError(f"invalid sampling parameters: {', '.join(bad)}")
 
     @property
     def filtered(self) -> bool:
@@ -561,8 +565,13 @@ def check_prompts(prompts, params, vocab: int):
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
     for i, p in enumerate(prompts):
-        if not p:
+        if not len(p):
             raise ValueError(f"prompt {i} is empty")
+        for j, t in enumerate(p):
+            try:
+                operator.index(t)  # Python / numpy / 0-d tensor integers
+            except TypeError:
+                raise TypeError(f"prompt {i}, position {j}: token id {t!r} is not an integer") from None
         if max(p) >= vocab or min(p) < 0:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
     return params

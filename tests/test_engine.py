@@ -75,6 +75,13 @@ def test_sampling_seeds_top_k_top_p(model):
     assert hot.logprobs[0] == pytest.approx(ref.item(), abs=1e-5)
     with pytest.raises(ValueError, match="empty"):
         eng.generate([[]], sp)
+    with pytest.raises(TypeError, match=r"prompt 1, position 2: token id 2.5 is not an integer"):
+        eng.generate([[1, 2], [3, 4, 2.5]], sp)
+    # bad sampling parameters: the message names each field and its rule
+    with pytest.raises(ValueError, match=r"temperature=-1.0 \(>= 0.*top_p=0.0 \(in \(0, 1\]\)"):
+        SamplingParams(temperature=-1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"max_tokens=0 \(>= 1\)$"):
+        SamplingParams(max_tokens=0)
 
 
 def test_fp8_holders_and_weight_updates(model):
