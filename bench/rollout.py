@@ -169,7 +169,9 @@ def main(argv=None):
     ap.add_argument("--long-batch", type=int, default=16)
     ap.add_argument("--long-ctx", default="1024,16384")
     ap.add_argument("--long-gen", type=int, default=128)
-    ap.add_argument("--profile", default="", help="B:fp8|bf16,...: the top CUDA kernels of batch-B decode steps")
+    ap.add_argument("--profile", default="", help="B:fp8|bf16,...: the top CUDA kernels of batch-B decode steps "
+                    "(with programmatic dependent launch a kernel's time includes its wait for the one before: "
+                    "KERNELS_PDL=0 gives each kernel's own)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
