@@ -8,7 +8,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 from kernels.attention import (decode_attention, decode_attention_ref, index_scores, index_scores_ref,  # noqa: E402
                                unrope_ref)
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets  # noqa: E402
-from kernels.moe import _moe_tiles, fused_moe, fused_moe_ref, moe_block_m  # noqa: E402
+from kernels.moe import MOE_GEMV_TOKENS, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m, moe_swap  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
 
@@ -132,12 +132,13 @@ def test_fp8_linear_grouped(M, N, K, G):
     assert got.shape == want.shape and rel(got, want) < 1e-3
 
 
-@pytest.mark.parametrize("T", [1, 2, 64, 256])
+@pytest.mark.parametrize("T", [1, 2, 16, 64, 256])
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("n_shared,absent", [(0, 0.0), (1, 0.0), (0, 0.3)])
 def test_fused_moe(T, fp8, n_shared, absent):
     """The grouped kernels against the per-expert loop: plain, with the last expert shared (every token, weight 1),
-    with slots on another rank (id E, skipped). 1-2 tokens: the GEMV kernels, against the tiled ones below too."""
+    with slots on another rank (id E, skipped). 1-2 tokens: the GEMV kernels, against the tiled ones below too.
+    FP8 up to 16 tokens the tiled kernels' products are weights-first (wgmma), checked as the 64-row blocks are."""
     E, k, D, I = 32, 6, 2048, 1024
     g = torch.Generator("cuda").manual_seed(T)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -153,22 +154,28 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
-    # FP8 64-row blocks (wgmma: the products of a 128-wide K block summed at reduced precision) differ from the
-    # 16-row blocks by far less than FP8 itself differs from the BF16 weights
-    precise = not fp8 or moe_block_m(T, True) < 64
-    if not precise:
-        got16 = fused_moe(x, ids, wt, *args, n_shared=n_shared, block_m=16)
+    # FP8 on wgmma (64-row blocks, or weights-first products: a 128-wide K block's products summed at reduced
+    # precision) differs from 16-row x-first blocks by far less than FP8 itself differs from the BF16 weights;
+    # the GEMV kernels and x-first 16-row blocks agree to 1e-3
+    if fp8:
         bf16 = fused_moe_ref(x, ids, wt, *(t.to(torch.bfloat16) for t in w), n_shared=n_shared)
-        assert rel(got, got16) < 0.2 * rel(got16, bf16), (rel(got, got16), rel(got16, bf16))
+        exact = fused_moe(x, ids, wt, *args, n_shared=n_shared, block_m=16, swap=False, gemv=False)
+        wgmma = 0.2 * rel(exact, bf16)
+        for bm, swap in ((16, True), (64, False)):
+            y = fused_moe(x, ids, wt, *args, n_shared=n_shared, block_m=bm, swap=swap, gemv=False)
+            assert rel(y, exact) < wgmma, (bm, swap, rel(y, exact), rel(exact, bf16))
+        precise = T <= MOE_GEMV_TOKENS or not (moe_swap(T, True) or moe_block_m(T, True) == 64)
+        assert rel(got, exact) < (1e-3 if precise else wgmma), rel(got, exact)
+        got = exact
     # the up kernel's K split over programs, the ranges added by each tile's last program; 16-64-row blocks
     for bm in (16, 32, 64):
         for tiles in (((128 if fp8 else 64, 4, 3, 4), (64, 4, 3)), ((64, 8, 3, 16), (128, 4, 3))):
-            y = fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=tiles, block_m=bm)
-            assert rel(y, got) < (1e-3 if precise and (bm < 64 or not fp8) else 1e-2), (bm, tiles)
+            y = fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=tiles, block_m=bm, swap=False)
+            assert rel(y, got) < (1e-3 if bm < 64 or not fp8 else 1e-2), (bm, tiles)
     if fp8:  # the up kernel's own quantization of h (the default, 128 wide) and act_quant's: the same bits
         up, down = _moe_tiles(T, True)
-        assert torch.equal(*(fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((bn, *up[1:]), down), block_m=16)
-                             for bn in (128, 64)))
+        assert torch.equal(*(fused_moe(x, ids, wt, *args, n_shared=n_shared, tiles=((bn, *up[1:]), down), block_m=16,
+                                       swap=False) for bn in (128, 64)))
 
 
 @pytest.mark.parametrize("mode", ["window", "csa", "csa_count", "hca"])

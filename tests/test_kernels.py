@@ -145,6 +145,8 @@ INTERPRETED = textwrap.dedent("""
     args = (xx, ids, wt, q[0][0], q[1][0], q[2][0], q[0][1], q[1][1], q[2][1])
     t64 = ((64, 4, 3), (64, 4, 3))  # h through act_quant (FP8's own default: the up kernel quantizes h itself)
     assert (km.fused_moe(*args, tiles=t64) - km.fused_moe_ref(*args)).abs().max() < 1e-4
+    for swap in (False, True):  # products x-first and weights-first (FP8's default up to 16 tokens)
+        assert (km.fused_moe(*args, tiles=t64, swap=swap) - km.fused_moe_ref(*args)).abs().max() < 1e-4, swap
     assert (km.fused_moe(xx, ids, wt, *ws_) - km.fused_moe_ref(xx, ids, wt, *ws_)).abs().max() < 1e-4
     # the last expert as a shared one (every token, weight 1) and slots on another rank (id E: skipped)
     ids_sh = torch.where(torch.rand(T, k, generator=g) < 0.3, torch.full_like(ids, E), ids.clamp(max=E - 2))
@@ -157,8 +159,9 @@ INTERPRETED = textwrap.dedent("""
     from kernels.fp8_gemm import act_quant as act_quant_kernel
     km.act_quant = act_quant_kernel
     for n_sh in (0, 1):
-        assert torch.equal(km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh),
-                           km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=t64)), n_sh
+        for swap in (False, True):
+            assert torch.equal(km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, swap=swap),
+                               km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=t64, swap=swap)), n_sh
     km.act_quant = act_quant_ref
     # the up kernel's K split over programs (K 256 here: two ranges), FP8 and plain weights
     xs, ws2 = torch.randn(T, 256, generator=g), [torch.randn(E, I, 256, generator=g) * 0.05,
