@@ -47,7 +47,8 @@ from torch import nn
 
 from kernels.attention import decode_attention, index_scores, index_topk
 from kernels.compress import compress_decode
-from kernels.fp8_gemm import block_quant, fp8_linear, fp8_linear_grouped, pow2, small_linear, use_triton
+from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
+                              use_triton)
 from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
@@ -177,8 +178,11 @@ class FP8Linear(nn.Module):
     def weight(self):
         return dequant_fp8_block(self.qweight, self.scale, self.dtype)
 
-    def forward(self, x):
-        return fp8_linear(x, self.qweight, self.scale)
+    def forward(self, x, xq=None):
+        """xq: x's rows already quantized per 1x128 tile, (q, scales) as act_quant gives them: one GEMM launch."""
+        if xq is None:
+            return fp8_linear(x, self.qweight, self.scale)
+        return fp8_gemm(*xq, self.qweight, self.scale, x.dtype).view(*x.shape[:-1], self.qweight.shape[0])
 
     def grouped(self, x):
         """x (..., G, K/G) -> (..., G, N/G): block-diagonal product with the G row groups of the weight."""
@@ -240,10 +244,11 @@ class InputGEMMs:
                 a = b
             self.groups.append((FP8Linear.holding(w, scale, members[0][1]) if fp8 else w, spans))
 
-    def __call__(self, h) -> dict:
+    def __call__(self, h, hq=None) -> dict:
+        """hq: h's rows quantized per 1x128 tile, (q, scales), for the FP8 group (else it quantizes h itself)."""
         out = {}
         for holder, spans in self.groups:
-            y = holder(h) if isinstance(holder, FP8Linear) else small_linear(h, holder)
+            y = holder(h, hq) if isinstance(holder, FP8Linear) else small_linear(h, holder)
             out.update((key, y[..., a:b]) for key, a, b in spans)
         return out
 
@@ -286,11 +291,13 @@ class EngineExperts(nn.Module):
                 self.register_buffer(name, w.to(dtype))
                 setattr(self, "s" + name[1], None)
 
-    def forward(self, x, idx, w):
+    def forward(self, x, idx, w, xq=None):
+        """xq: x already quantized per 1x128 tile, (q, scales) (FP8 experts; fused_moe's xq)."""
         if self.group is not None:  # other ranks' experts -> the skipped bucket
             idx = idx - self.expert_offset
             idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
-        y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit, self.n_shared)
+        y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit, self.n_shared,
+                      xq=xq if self.fp8 is not None else None)
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y
@@ -457,19 +464,25 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp8=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
-    tables) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are) of
-    the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
-    mHC's mix partials (hc_post_mix)."""
+    tables, hq) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are)
+    of the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
+    mHC's mix partials (hc_post_mix). fp8: the FP8 engine's dtype: past GEMV_ROWS tokens (the GEMV kernels
+    quantize their rows themselves) the mHC pre kernels also give their rows quantized, hq (or None), for the
+    attention's FP8 input GEMM and the experts, instead of an act_quant launch each."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
+    fp8 = fp8 if ids.numel() > GEMV_ROWS else None
+
+    def hc(blk, site, x, part):  # -> (h, post, comb, hq)
+        return blk.hc(site, x, part, fp8) if fp8 is not None else (*blk.hc(site, x, part), None)
     routing, part = [], None
     for li, blk in enumerate(model.layers):
-        h, post, comb = blk.hc("attn", x, part)
-        x, part = hc_post_mix(attention(li, blk.attn, h, tables), x, post, comb, blk.hc_ffn_fn)
-        h, post, comb = blk.hc("ffn", x, part)
-        y, idx = blk.ffn(h, ids[None])
+        h, post, comb, hq = hc(blk, "attn", x, part)
+        x, part = hc_post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
+        h, post, comb, hq = hc(blk, "ffn", x, part)
+        y, idx = blk.ffn(h, ids[None]) if hq is None else blk.ffn(h, ids[None], xq=hq)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = hc_post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])
@@ -496,13 +509,13 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     return CompState(kv[c * r:], gate[c * r:], prev, entries)
 
 
-def projections(attn, h, pos, tables, raw: bool = False, store=None):
+def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
     compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
     position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
-    (Attention.project_kv)."""
+    (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM."""
     cos, sin = tables[attn.rope_kind]
-    ins = attn.input_gemms(h) if hasattr(attn, "input_gemms") else {}
+    ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
     q, q_res = attn.project_q(h, cos, sin, ins.get("wq_a"))
     pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
 
@@ -627,8 +640,8 @@ class SimpleEngine:
         for c in chunks:
             bounds.append(bounds[-1] + len(c))
 
-        def attention(li, attn, h, tables):
-            pr = projections(attn, h, pos, tables)
+        def attention(li, attn, h, tables, hq=None):
+            pr = projections(attn, h, pos, tables, hq=hq)
             outs = [seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], s.states[li])
                     for i, s in enumerate(seqs)]
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
@@ -936,6 +949,8 @@ class Runner:
 
     def __init__(self, model: Transformer, cache: PagedCache, cuda_graphs: bool):
         self.model, self.cache = model, cache
+        # the FP8 engine's dtype (its linears'), for run_layers' quantized mHC outputs; None for BF16 weights
+        self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
         self.pool = None
@@ -955,8 +970,8 @@ class Runner:
         for _, a, b in batch:
             bounds.append(bounds[-1] + b - a)
 
-        def attention(li, attn, h, tables):
-            pr = projections(attn, h, pos, tables)
+        def attention(li, attn, h, tables, hq=None):
+            pr = projections(attn, h, pos, tables, hq=hq)
             outs = []
             for i, (s, a, b) in enumerate(batch):
                 st = c.load(s, li, a)
@@ -964,7 +979,7 @@ class Runner:
                 c.store(s, li, st, a, b)
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
-        logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]])
+        logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]], self.fp8)
         return logits, routing.to(torch.uint8), bounds
 
     # -- decode -----------------------------------------------------------------------------------------
@@ -981,13 +996,15 @@ class Runner:
             return compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
-    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope):
-        """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio)."""
+    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope, hq=None):
+        """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio). hq:
+        h's rows quantized (run_layers')."""
         c = self.cache
         key = ("window", attn.window)
         if key not in wrope:  # the window-cache row of each sequence's new key
             wrope[key] = slots * attn.window + pos % attn.window
-        pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
+        pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]),
+                         hq=hq)
         q = pr["q"][0]
         unrope = tables[attn.rope_kind]  # the kernel rotates its output back (project_out's inverse RoPE)
         if attn.compressor is None:
@@ -1021,9 +1038,9 @@ class Runner:
         tabs = {k: t[slots] for k, t in self.cache.tables.items()}
         wrope = {}
 
-        def attention(li, attn, h, tables):
-            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope)
-        logits, routing = run_layers(self.model, ids, pos, attention)
+        def attention(li, attn, h, tables, hq=None):
+            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq)
+        logits, routing = run_layers(self.model, ids, pos, attention, fp8=self.fp8)
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
         out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])

@@ -1,6 +1,6 @@
 """Fused small ops: one pass each instead of a chain of torch kernels over fp32 copies.
 
-    hc_pre(x, fn, base, scale, iters, eps, norm_eps, norm) -> collapsed [normed], post, comb   (2 kernels, not ~130)
+    hc_pre(x, fn, base, scale, iters, eps, norm_eps, norm[, fp8]) -> collapsed [normed], post, comb[, quantized]
     hc_head(x, fn, base, scale, eps, norm_eps, norm) -> collapsed [normed]
     hc_post(out, x, post, comb[, fn]) -> new streams [, the next hc_pre's mix partials over them]
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
@@ -20,6 +20,7 @@ import torch
 
 from . import fp8_gemm
 from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
+from .quant import BLOCK as TILE, fp8_max
 
 if triton is not None:
     import triton.language as tl
@@ -89,15 +90,17 @@ if triton is not None:
         return tl.sum(xs.to(tl.float32) * pre[:, None], 0).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, eps, norm_eps, rms_eps, ITERS: tl.constexpr,
-                       N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
-                       SB: tl.constexpr, PDL: tl.constexpr = False):
+    def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, Q, S, eps, norm_eps, rms_eps, fmax,
+                       ITERS: tl.constexpr, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
+                       MIXP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr,
+                       NORM: tl.constexpr, SB: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (token t, role). Both roles sum the SPLIT partials of _hc_mix_kernel (x @ fn^T, and the sum of
         squares of x in column MIXP - 1) and scale them by the streams' rsqrt-mean-square. Role 0: pre and the
         pre-weighted collapse of the streams, RMS-normed with weight NW (eps rms_eps) when NORM. Role 1: post and
         the Sinkhorn-projected comb, so the Sinkhorn chain runs beside the collapse. HEAD: the head's collapse
-        (N_HC pre weights, one scale, no role 1)."""
+        (N_HC pre weights, one scale, no role 1). QUANT (NORM, D <= BLOCK, D % 128 == 0): role 0 also stores the
+        normed row quantized per 1x128 tile in Q (fp8) and S (scales), act_quant's arithmetic on the stored
+        (rounded) row, so the FP8 linears and experts that read it skip their act_quant."""
         pdl_wait(PDL)
         t, role = tl.program_id(0), tl.program_id(1)
         MIX: tl.constexpr = N_HC if HEAD else (2 + N_HC) * N_HC
@@ -118,7 +121,17 @@ if triton is not None:
                 rd = tl.arange(0, BLOCK)
                 inv = tl.rsqrt(tl.sum(c * c, 0) / D + rms_eps)
                 w = tl.load(NW + rd, mask=rd < D, other=0.0).to(tl.float32)
-                tl.store(COLL + t * D + rd, (w * (c * inv)).to(dt), mask=rd < D)
+                y = (w * (c * inv)).to(dt)
+                tl.store(COLL + t * D + rd, y, mask=rd < D)
+                if QUANT:
+                    NT: tl.constexpr = BLOCK // 128
+                    yt = tl.reshape(y.to(tl.float32), (NT, 128))
+                    sy = tl.maximum(tl.max(tl.abs(yt), 1), 1e-12) / fmax
+                    qy = tl.clamp(yt / sy[:, None], -fmax, fmax)
+                    tb = tl.arange(0, NT)
+                    offs = tb[:, None] * 128 + tl.arange(0, 128)[None, :]
+                    tl.store(Q + t * D + offs, qy.to(Q.dtype.element_ty), mask=offs < D)
+                    tl.store(S + t * (D // 128) + tb, sy, mask=tb < D // 128)
             else:  # the collapse in chunks, then (NORM) a second pass over what this program stored
                 ss = tl.zeros((BLOCK,), tl.float32)
                 for d0 in range(0, D, BLOCK):
@@ -371,34 +384,44 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
     return w, ids
 
 
-def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool, part):
+def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool, part, fp8=None):
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
     coll = torch.empty(N, D, dtype=x.dtype, device=x.device)
     post = torch.empty(N, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(N, n, n, dtype=torch.float32, device=x.device)
+    block = pow2(D) if D <= 4096 else 1024
+    quant = fp8 is not None and norm is not None and D <= block and D % TILE == 0
+    q = torch.empty(N, D, dtype=fp8, device=x.device) if quant else coll
+    s = torch.empty(N, D // TILE, dtype=torch.float32, device=x.device) if quant else coll
     if N:
         if part is None:  # the hc_pre kernel sums them
             part = _mix_partials(xf, fn, ssq=True)
         assert part.shape[0] == N and part.is_contiguous(), "part: one row of partials a token (hc_post's)"
         nw, neps = norm if norm is not None else (coll, 0.0)
-        block = pow2(D) if D <= 4096 else 1024
         # partials summed 128 a load (mini's 128 in one): on an H200 a call took 4.3 us at 1 token and 4.6 at 64,
-        # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4)
+        # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4).
+        # Warps: 4 up to 64 tokens, 2 past (us a call at 1 / 16 / 64 / 256 tokens: 4 warps 3.53 / 3.81 / 4.30 /
+        # 7.31, 2 warps 3.55 / 3.83 / 4.33 / 5.46, 1 and 8 slower)
         _hc_pre_kernel[(N, 1 if head else 2)](xf, part, base.float().contiguous(), scale.float().contiguous(), nw,
-                                              coll, post, comb, eps, norm_eps, neps, ITERS=iters, N_HC=n, D=D,
+                                              coll, post, comb, q, s, eps, norm_eps, neps,
+                                              fp8_max(fp8) if quant else 1.0, ITERS=iters, N_HC=n, D=D,
                                               NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
                                               HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])),
-                                              num_warps=4, **pdl(xf))
-    return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
+                                              QUANT=quant, num_warps=4 if N <= 64 else 2, **pdl(xf))
+    xq = (q, s) if quant else None
+    return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n), xq
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None, part=None):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None, part=None, fp8=None):
     """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32. norm: (weight, eps)
     of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics). part: x's mix
-    partials as hc_post(..., fn) gave them (else a launch computes them)."""
-    return _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part)
+    partials as hc_post(..., fn) gave them (else a launch computes them). fp8 (an FP8 dtype): one more output,
+    the normed rows (N, D) quantized per 1x128 tile as act_quant would give them, (q, scales), or None where the
+    kernel does not make them (no norm, D not a multiple of 128 or past 4096)."""
+    out = _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part, fp8)
+    return out if fp8 is not None else out[:3]
 
 
 def hc_head(x, fn, base, scale, eps: float, norm_eps: float, norm=None, part=None):

@@ -463,12 +463,13 @@ def moe_swap(T: int, scaled: bool) -> bool:
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
-              tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None):
+              tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None, xq=None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
     rows of a row block (default moe_block_m). gemv: the GEMV kernels instead (_moe_gemv; default up to
     MOE_GEMV_TOKENS tokens, unless tiles or block_m are given). swap: the tiled kernels' products weights-first
-    (default moe_swap)."""
+    (default moe_swap). xq: FP8 weights' input x already quantized, (q, scales) as act_quant gives them (the
+    tiled kernels take them instead of an act_quant launch; the GEMV kernels quantize x themselves)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
@@ -483,7 +484,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     nb = bexp.shape[0]
     x = x.contiguous()
     if scaled:
-        xq, sx = act_quant(x, w1.dtype)
+        xq, sx = act_quant(x, w1.dtype) if xq is None else xq
     else:
         xq, sx = x, x  # unused scale operand
     up, down = tiles or _moe_tiles(T, scaled)

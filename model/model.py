@@ -708,13 +708,14 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         self.shared_in_experts = False  # the rollout engine's grouped kernel runs the shared expert too
 
-    def forward(self, x, input_ids, replay=None, token_mask=None):
-        """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k)."""
+    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None):
+        """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k). xq: x's rows
+        quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
                            None if token_mask is None else token_mask.reshape(-1))
-        y = self.experts(flat, idx, w)
+        y = self.experts(flat, idx, w) if xq is None else self.experts(flat, idx, w, xq=xq)
         if self.shared_experts is not None and not self.shared_in_experts:
             y = y + self.shared_experts(flat)
         return y.view(shape), idx.view(*shape[:-1], -1)
@@ -724,20 +725,23 @@ class MoE(nn.Module):
 # manifold-constrained hyper-connections
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None, part=None):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None, part=None,
+           fp8: torch.dtype | None = None):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column).
     norm: the RMSNorm applied to the collapsed input (inside the inference kernel). part: hc_post_mix's
-    partials of this mHC's mix over x (the inference kernel's input; None: computed here)."""
+    partials of this mHC's mix over x (the inference kernel's input; None: computed here). fp8 (an FP8 dtype):
+    a fourth output, the input's rows quantized per 1x128 tile (q, scales) by the inference kernel, or None."""
     if fused_ok(x):  # inference: the decode-tuned forward
         return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps),
-                            part)
+                            part, fp8)
     if use_triton(x):  # training and scoring: forward and backward kernels
         h, post, comb = mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
     else:
         h, post, comb = IMPL["hc_pre"](x, fn, base, scale, iters, eps, norm_eps)
-    return h if norm is None else norm(h), post, comb
+    out = (h if norm is None else norm(h), post, comb)
+    return out if fp8 is None else (*out, None)
 
 
 def _hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
@@ -809,13 +813,13 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def hc(self, site, x, part=None):
-        """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb). part: as in
-        hc_pre."""
+    def hc(self, site, x, part=None, fp8=None):
+        """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb[, quantized]).
+        part, fp8: as in hc_pre."""
         c = self.cfg
         return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                      getattr(self, f"{site}_norm"), part)
+                      getattr(self, f"{site}_norm"), part, fp8)
 
     def forward(self, x, input_ids, ctx, replay=None):
         """x (B, T, n, D) -> (B, T, n, D), expert ids (B, T, k)."""

@@ -245,7 +245,7 @@ def test_index_scores():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_fused_hc_and_norms(n, monkeypatch):
-    from kernels import fused
+    from kernels import fp8_gemm, fused
     from model.model import RMSNorm, hc_post, hc_pre, rms_unweighted
     g = torch.Generator("cuda").manual_seed(n)
     x = torch.randn(64, n, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -265,6 +265,11 @@ def test_fused_hc_and_norms(n, monkeypatch):
         normed = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps))
         assert rel(normed[0], nm(got[0][:rows])) < 1e-2
         assert all(torch.equal(a, b[:rows]) for a, b in zip(normed[1:], got[1:]))  # batch-invariant
+        # the FP8 engine's: the normed rows also quantized per 1x128 tile, act_quant's bytes and scales
+        f8 = fp8_dtype("cuda")
+        h, _, _, (q, s) = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps), None, f8)
+        q2, s2 = fp8_gemm.act_quant(h, f8)
+        assert torch.equal(h, normed[0]) and torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
         pre = torch.sigmoid(rms_unweighted(x[:rows].flatten(-2).float(), 1e-6) @ fn[:n].T * sc[0] + base[:n]) + 1e-6
         want_head = nm((pre.unsqueeze(-1) * x[:rows].float()).sum(-2).bfloat16())
         assert rel(fused.hc_head(x[:rows], fn[:n], base[:n], sc[:1], 1e-6, 1e-6, (nm.weight, nm.eps)), want_head) < 1e-2
@@ -282,7 +287,6 @@ def test_fused_hc_and_norms(n, monkeypatch):
     for rows in (1, few - 1):
         assert torch.equal(fused.hc_post(out[:rows], x[:rows], want[1][:rows], want[2][:rows], fn)[1], part[:rows])
     # the mix products in the device's fp32 dot passes (tf32x3 on NVIDIA) and in ROCm's (bf16x6), and in float64
-    from kernels import fp8_gemm
     xf = x.flatten(-2)
     exact = xf.double() @ fn.double().T
     a = fused._mix_partials(xf, fn).sum(1)[:, :fn.shape[0]]

@@ -261,6 +261,19 @@ INTERPRETED = textwrap.dedent("""
     y, part = fused.hc_post(out, xs, post, comb, fn)  # past 16 tokens: 16-token blocks, the mix kernel's partials
     assert (y - fused.hc_post(out, xs, post, comb)).abs().max() < 1e-5
     assert torch.equal(part, fused._mix_partials(y.flatten(-2), fn, ssq=True))
+    # the normed rows also quantized per 1x128 tile (the FP8 engine's run_layers): act_quant's bytes and scales
+    # (both in the interpreter's fp8 casts); D 384 in a 512 block (a masked tile); no norm, D % 128: none
+    xs = torch.randn(5, 4, 384, generator=g).bfloat16()
+    fn, base = torch.randn(24, 4 * 384, generator=g) * 0.1, torch.randn(24, generator=g)
+    nw = torch.randn(384, generator=g).bfloat16()
+    h, post, comb, hq = fused.hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6, (nw, 1e-6), None, torch.float8_e4m3fn)
+    q2, s2 = act_quant_kernel(h, torch.float8_e4m3fn)
+    assert torch.equal(hq[1], s2) and torch.equal(hq[0].view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(h, fused.hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6, (nw, 1e-6))[0])
+    assert fused.hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6, None, None, torch.float8_e4m3fn)[3] is None
+    assert fused.hc_pre(xs[..., :96], fn[:, :384], base, sc, 3, 1e-6, 1e-6, (nw[:96], 1e-6), None,
+                        torch.float8_e4m3fn)[3] is None
+    assert hc_pre(xs.float(), fn, base, sc, 3, 1e-6, 1e-6, None, None, torch.float8_e4m3fn)[3] is None
     xs = torch.randn(1, 1, 4100, generator=g)  # D > 4096: the norm as a second pass over the stored row
     fn, base = torch.randn(3, 4100, generator=g) * 0.1, torch.randn(3, generator=g)
     norm = RMSNorm(4100, 1e-6)
