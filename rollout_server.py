@@ -482,7 +482,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = hc_post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None]) if hq is None else blk.ffn(h, ids[None], xq=hq)
+        y, idx = blk.ffn(h, ids[None], xq=hq)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = hc_post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])
@@ -1978,25 +1978,56 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     args = ap.parse_args(argv)
     from tqdm import tqdm
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.model.endswith((".yaml", ".yml")):
-        from model import ModelConfig, build_model
-        from model.config import load_yaml
-        model = build_model(ModelConfig.from_dict(load_yaml(args.model)["model"], f"{args.model}: model"), device,
-                            dtype, seed=args.seed)
-    else:
-        model = args.model
-    kw = dict(fp8=not args.bf16, dtype=dtype, device=device)
-    if args.engine == "paged":
-        kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
-    engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
+    from model import ModelConfig, build_model
+    from model.config import ConfigError, load_hf_config, load_yaml
+    # every check that needs no weights before they load (a large checkpoint takes minutes)
+    for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.bench:
+        if args.prompts is None or args.out is None:
+            ap.error("--prompts and --out are required (or --bench)")
+        if not args.prompts.is_file():
+            ap.error(f"--prompts {args.prompts}: no such file")
+        if not args.out.resolve().parent.is_dir():
+            ap.error(f"--out {args.out}: no directory {args.out.resolve().parent}")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        ap.error(f"--tokenizer {args.tokenizer}: no such file")
+    yaml_model = args.model.endswith((".yaml", ".yml"))
+    if not yaml_model and not Path(args.model).is_dir():
+        ap.error(f"--model {args.model}: neither a checkpoint directory nor a .yaml config")
+    try:
+        if yaml_model:
+            d = load_yaml(args.model)
+            if "model" not in d:
+                raise ConfigError(f"{args.model}: no model: section")
+            cfg = ModelConfig.from_dict(d["model"], f"{args.model}: model")
+        else:
+            cfg = load_hf_config(args.model)
+    except (OSError, ConfigError) as e:
+        ap.error(f"--model: {e}")
+    try:
+        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.bench)
+    except ValueError as e:
+        ap.error(str(e))
     tok = None
     if args.tokenizer:
         from model.tokenizer import HFTokenizer
         tok = HFTokenizer(args.tokenizer, args.chat_template)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-                        seed=args.seed, ignore_eos=args.bench)
+    if not args.bench:
+        lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
+        for p, q, n in lines:  # the engine's own check names no line
+            if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
+                raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
+                                 f"--max-model-len {args.max_model_len}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(cfg, device, dtype, seed=args.seed) if yaml_model else args.model
+    kw = dict(fp8=not args.bf16, dtype=dtype, device=device)
+    if args.engine == "paged":
+        kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
+    engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
     if args.bench:
         g = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(0, engine.cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
@@ -2012,14 +2043,7 @@ def main(argv=None):
         print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {device}: {dt:.2f} s, "
               f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
         return
-    if args.prompts is None or args.out is None:
-        raise SystemExit("--prompts and --out are required (or --bench)")
-    lines = [r for r in read_prompts(args.prompts, tok, engine.cfg.vocab_size, sp) for _ in range(args.n)]
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
-    for p, q, n in lines:  # before anything is generated (the engine's own check names no line)
-        if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
-            raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
-                             f"--max-model-len {args.max_model_len}")
     with open(args.out, "w") as f:  # a chunk's completions are on disk before the next chunk starts
         for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
             end = start + args.chunk

@@ -114,6 +114,40 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
             main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
+def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """Every check that needs no weights runs before they load (a large checkpoint takes minutes): each bad
+    argument or prompt line stops the run naming the flag, file or line, and no model is built."""
+    import json
+    import model as model_pkg
+    import rollout_server
+
+    def built(*a, **k):
+        raise AssertionError("a model was built before the arguments were checked")
+    monkeypatch.setattr(model_pkg, "build_model", built)
+    monkeypatch.setattr(rollout_server, "Engine", built)
+    src, nomodel = tmp_path / "p.jsonl", tmp_path / "nomodel.yaml"
+    src.write_text(json.dumps([1, 2]) + "\n")
+    nomodel.write_text("seed: 1\n")
+    ok = ["--prompts", str(src), "--out", str(tmp_path / "o.jsonl")]
+    for argv, msg in ((["--model", str(tmp_path / "nothing"), *ok], "neither a checkpoint directory nor"),
+                      (["--model", str(tmp_path), *ok], "no config.json"),
+                      (["--model", str(nomodel), *ok], "no model: section"),
+                      (["--model", "configs/tiny.yaml", "--prompts", str(tmp_path / "x.jsonl"), "--out", "o.jsonl"],
+                       "x.jsonl: no such file"),
+                      (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "d" / "o")],
+                       "no directory"),
+                      (["--model", "configs/tiny.yaml", *ok, "--n", "0"], "--n must be >= 1, got 0"),
+                      (["--model", "configs/tiny.yaml", *ok, "--chunk", "0"], "--chunk must be >= 1"),
+                      (["--model", "configs/tiny.yaml", *ok, "--temperature", "-1"], "temperature=-1.0"),
+                      (["--model", "configs/tiny.yaml", "--out", "o.jsonl"], "--prompts and --out are required")):
+        with pytest.raises(SystemExit):
+            rollout_server.main(argv)
+        assert msg in capsys.readouterr().err, argv
+    src.write_text(json.dumps([1, 99999]) + "\n")
+    with pytest.raises(SystemExit, match="p.jsonl:1: token id 99999 outside the model's vocabulary"):
+        rollout_server.main(["--model", "configs/tiny.yaml", *ok])
+
+
 def test_stop_tokens_eos_and_limits(model):
     eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64)
     p = _prompts([9], 4)[0]
