@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from kernels.attention import decode_attention, index_scores, index_topk
 from kernels.compress import compress_decode
@@ -86,6 +87,9 @@ class Output:
     logprobs: list[float]
     routed_experts: torch.Tensor  # (len(prompt) + len(token_ids) - 1, layers, top_k) uint8
     finish_reason: str            # "stop" | "length"
+    # with record_index: (len(prompt) + len(token_ids) - 1, CSA layers, index_topk) int32, the compressed entries
+    # the indexer chose for each position in each CSA layer (layer order), ascending, -1 past them; else None
+    index_entries: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -531,10 +535,42 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     return pr
 
 
+def index_record(entries: torch.Tensor, k: int) -> torch.Tensor:
+    """entries (T, m) int, -1 = none -> (T, k) int32: each row's entries ascending, -1 past them (a position's
+    chosen set in one layout whatever produced it: the full-sequence top-k, the decode kernel's)."""
+    big = torch.iinfo(torch.int64).max
+    rows = torch.where(entries < 0, big, entries.long()).sort(-1).values[:, :k]
+    rows = torch.where(rows == big, -1, rows).to(torch.int32)
+    return F.pad(rows, (0, k - rows.shape[1]), value=-1) if rows.shape[1] < k else rows
+
+
+class IndexRecorder:
+    """The indexer's chosen entries of one forward's tokens, CSA layer by layer (Output.index_entries): the
+    attention of layer li asks for a list per sequence (seq), in the batch's order, and appends index_record rows
+    of its tokens to it."""
+
+    def __init__(self, k: int):
+        self.k, self.layers = k, {}
+
+    def seq(self, li: int, attn) -> list | None:
+        if attn.indexer is None:
+            return None
+        rows = []
+        self.layers.setdefault(li, []).append(rows)
+        return rows
+
+    def rows(self, n: int, device) -> torch.Tensor:
+        """-> (n, CSA layers, k) int32 for the forward's n tokens."""
+        if not self.layers:
+            return torch.full((n, 0, self.k), -1, dtype=torch.int32, device=device)
+        return torch.stack([torch.cat([r for seq in self.layers[li] for r in seq]) for li in sorted(self.layers)], 1)
+
+
 def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.Tensor, st: SeqState,
-                  chunk: int = 512):
+                  chunk: int = 512, chosen: list | None = None):
     """Attention of one sequence's tokens pr[...][a:b] (positions p) over its state, which it advances.
-    Queries go in chunks so a long prompt never materializes (tokens x keys) logits at once. -> (1, b - a, H, d)."""
+    Queries go in chunks so a long prompt never materializes (tokens x keys) logits at once. -> (1, b - a, H, d).
+    chosen: a list to append the indexer's chosen entries of these tokens to (index_record rows; CSA layers)."""
     W = attn.window
     keys = torch.cat([st.window, pr["kv"][a:b]])
     k0 = int(p[-1]) + 1 - keys.shape[0]  # position of keys[0]
@@ -558,7 +594,11 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
             if attn.indexer is not None and comp.shape[0]:
                 sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
                 top = sc.masked_fill(~cmask, float("-inf")).topk(min(attn.indexer.topk, comp.shape[0]), dim=-1).indices
+                if chosen is not None:
+                    chosen.append(index_record(torch.where(cmask.gather(-1, top), top, -1), attn.indexer.topk))
                 cmask = torch.zeros_like(cmask).scatter_(-1, top, True) & cmask
+            elif chosen is not None and attn.indexer is not None:  # no entries yet
+                chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
         outs.append(attend(pr["q"][:, a + s:a + e], keys[None, lo:lo + kp.shape[0]], allowed[None],
                            None if comp is None else comp[None], None if cmask is None else cmask[None],
                            attn.attn_sink, attn.scale))
@@ -601,6 +641,7 @@ class SimpleSeq:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.routing: list[torch.Tensor] = []
+        self.index: list[torch.Tensor] = []  # (n, CSA layers, index_topk) pieces, with record_index
         self.pos = 0
         self.finish = None
         self.states = []
@@ -615,17 +656,20 @@ class SimpleSeq:
     def share_prefix(self, other: "SimpleSeq"):
         """Take over another sequence's state after the same prompt (state tensors are replaced, never written
         in place, so sharing them is safe)."""
-        self.pos, self.routing = other.pos, list(other.routing)
+        self.pos, self.routing, self.index = other.pos, list(other.routing), list(other.index)
         self.states = [copy.copy(st) for st in other.states]
 
 
 class SimpleEngine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
-                 fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False, ep=None):
+                 fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False, ep=None,
+                 record_index: bool = False):
+        """record_index: each Output also carries the indexer's chosen entries (Output.index_entries)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
+        self.record_index = record_index
 
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
@@ -640,16 +684,21 @@ class SimpleEngine:
         for c in chunks:
             bounds.append(bounds[-1] + len(c))
 
+        rec = IndexRecorder(self.cfg.index_topk) if self.record_index else None
+
         def attention(li, attn, h, tables, hq=None):
             pr = projections(attn, h, pos, tables, hq=hq)
-            outs = [seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], s.states[li])
-                    for i, s in enumerate(seqs)]
+            outs = [seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], s.states[li],
+                                  chosen=None if rec is None else rec.seq(li, attn)) for i, s in enumerate(seqs)]
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]])
         routing = routing.to(torch.uint8).cpu()
+        index = None if rec is None else rec.rows(len(ids), dev).cpu()
         for i, s in enumerate(seqs):
             s.routing.append(routing[bounds[i]:bounds[i + 1]])
+            if index is not None:
+                s.index.append(index[bounds[i]:bounds[i + 1]])
             s.pos += len(chunks[i])
         return logits
 
@@ -692,8 +741,9 @@ class SimpleEngine:
                 batch = active[start:start + self.max_batch_tokens]
                 self._sample(batch, self._forward(batch, [[s.tokens[-1]] for s in batch]))
             active = [s for s in seqs if s.finish is None]
-        return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[: len(s.prompt) + len(s.tokens) - 1],
-                       s.finish) for s in seqs]
+        n = [len(s.prompt) + len(s.tokens) - 1 for s in seqs]
+        return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[:k], s.finish,
+                       torch.cat(s.index)[:k] if self.record_index else None) for s, k in zip(seqs, n)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -709,6 +759,7 @@ class Sequence:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.routing: list[np.ndarray] = []  # (n, L, k) uint8 pieces: prefill chunks, one row per decode step
+        self.index: list[np.ndarray] = []  # (n, CSA layers, index_topk) int32 pieces alike, with record_index
         self.finish = None
         self.slot = None
         self.blocks = {"csa": [], "hca": []}
@@ -947,8 +998,9 @@ class Runner:
 
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
-    def __init__(self, model: Transformer, cache: PagedCache, cuda_graphs: bool):
+    def __init__(self, model: Transformer, cache: PagedCache, cuda_graphs: bool, record_index: bool = False):
         self.model, self.cache = model, cache
+        self.record_index = record_index  # steps also give the indexer's chosen entries (Output.index_entries)
         # the FP8 engine's dtype (its linears'), for run_layers' quantized mHC outputs; None for BF16 weights
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
@@ -962,7 +1014,8 @@ class Runner:
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, batch: list[tuple[Sequence, int, int]]):
-        """batch: (seq, a, b) = feed seq.feed[a:b] at positions a..b-1. -> last-position logits, routing (N, L, k)."""
+        """batch: (seq, a, b) = feed seq.feed[a:b] at positions a..b-1. -> last-position logits, routing (N, L, k),
+        bounds, the indexer's chosen entries (N, CSA layers, index_topk) or None (record_index off)."""
         m, c, dev = self.model, self.cache, self.cache.device
         ids = torch.tensor([t for s, a, b in batch for t in s.feed[a:b]], device=dev)
         pos = torch.cat([torch.arange(a, b, device=dev) for _, a, b in batch])
@@ -970,17 +1023,20 @@ class Runner:
         for _, a, b in batch:
             bounds.append(bounds[-1] + b - a)
 
+        rec = IndexRecorder(m.cfg.index_topk) if self.record_index else None
+
         def attention(li, attn, h, tables, hq=None):
             pr = projections(attn, h, pos, tables, hq=hq)
             outs = []
             for i, (s, a, b) in enumerate(batch):
                 st = c.load(s, li, a)
-                outs.append(seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st))
+                outs.append(seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st,
+                                          chosen=None if rec is None else rec.seq(li, attn)))
                 c.store(s, li, st, a, b)
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]], self.fp8)
-        return logits, routing.to(torch.uint8), bounds
+        return logits, routing.to(torch.uint8), bounds, None if rec is None else rec.rows(len(ids), dev)
 
     # -- decode -----------------------------------------------------------------------------------------
     def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
@@ -996,9 +1052,9 @@ class Runner:
             return compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
-    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope, hq=None):
+    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope, hq=None, rec=None):
         """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio). hq:
-        h's rows quantized (run_layers')."""
+        h's rows quantized (run_layers'). rec: an IndexRecorder for the indexer's chosen entries."""
         c = self.cache
         key = ("window", attn.window)
         if key not in wrope:  # the window-cache row of each sequence's new key
@@ -1022,6 +1078,8 @@ class Runner:
                 S = table.shape[1] * c.BE
                 sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
                 sel = index_topk(sc, min(attn.indexer.topk, S), count)
+                if rec is not None:
+                    rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
                 out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
                                        sel=sel, count=count, unrope=unrope)  # (top-k lists a row's valid entries first)
         return attn.project_out(out[None], None, None)
@@ -1038,10 +1096,14 @@ class Runner:
         tabs = {k: t[slots] for k, t in self.cache.tables.items()}
         wrope = {}
 
+        rec = IndexRecorder(self.model.cfg.index_topk) if self.record_index else None
+
         def attention(li, attn, h, tables, hq=None):
-            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq)
+            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec)
         logits, routing = run_layers(self.model, ids, pos, attention, fp8=self.fp8)
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
+        if rec is not None:
+            out["index"] = rec.rows(n, ids.device)
         draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
         out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
         self.tok[:n].copy_(out["tok"])
@@ -1142,11 +1204,13 @@ class Engine:
                  fp8_scale_fmt: str = "fp32", max_seqs: int = 256, max_model_len: int = 4096,
                  block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
-                 pipeline: bool = True):
+                 pipeline: bool = True, record_index: bool = False):
         """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
         on identical requests, each holding 1/size of the routed experts.
         pipeline: launch each decode step before reading the last one's tokens (they feed it on the device), so
-        the host's bookkeeping overlaps the device's work; False: one step at a time (the twin)."""
+        the host's bookkeeping overlaps the device's work; False: one step at a time (the twin).
+        record_index: each Output also carries the indexer's chosen entries (Output.index_entries), for indexer
+        replay in training."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
@@ -1159,7 +1223,8 @@ class Engine:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep[0])
             n_blocks = {"csa": int(t[0]), "hca": int(t[1])}
         self.cache = PagedCache(self.model, max_seqs, n_blocks, block_entries, max_model_len, device, dtype)
-        self.runner = Runner(self.model, self.cache, cuda_graphs)
+        self.runner = Runner(self.model, self.cache, cuda_graphs, record_index)
+        self.records = ("routing", "index") if record_index else ("routing",)  # a step's per-position outputs
         self.stats = {"preemptions": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0}
         self.pipeline = pipeline
@@ -1234,9 +1299,10 @@ class Engine:
                 self._decode_step(running, waiting)
                 self.stats["decode_s"] += time.perf_counter() - t0
         self._drain(running)
-        return [Output(s.prompt, s.tokens, s.logprobs,
-                       torch.from_numpy(np.concatenate(s.routing)[: len(s.prompt) + len(s.tokens) - 1]), s.finish)
-                for s in seqs]
+        def rows(pieces, s):  # one row a fed position
+            return torch.from_numpy(np.concatenate(pieces)[: len(s.prompt) + len(s.tokens) - 1])
+        return [Output(s.prompt, s.tokens, s.logprobs, rows(s.routing, s), s.finish,
+                       rows(s.index, s) if self.runner.record_index else None) for s in seqs]
 
     def _prefill_step(self, prefilling: list[Sequence], running: list[Sequence]):
         budget, batch = self.max_batch_tokens, []
@@ -1246,14 +1312,17 @@ class Engine:
                 break
             batch.append((s, s.fed, s.fed + n))
             budget -= n
-        logits, routing, bounds = self.runner.prefill(batch)
+        logits, routing, bounds, index = self.runner.prefill(batch)
         routing = routing.cpu().numpy()
+        index = None if index is None else index.cpu().numpy()
         self.stats["prefill_tokens"] += bounds[-1]
         done, rows = [], []
         for i, (s, a, b) in enumerate(batch):
             s.fed = b
             if not s.resume:
                 s.routing.append(routing[bounds[i]:bounds[i + 1]])
+                if index is not None:
+                    s.index.append(index[bounds[i]:bounds[i + 1]])
             if s.fed == len(s.feed):
                 prefilling.remove(s)
                 if s.resume:
@@ -1262,7 +1331,7 @@ class Engine:
                     continue
                 for f in s.followers:
                     self.cache.fork(s, f)
-                    f.fed, f.routing = s.fed, list(s.routing)
+                    f.fed, f.routing, f.index = s.fed, list(s.routing), list(s.index)
                 members = [s] + s.followers
                 s.followers = []
                 done += members
@@ -1299,19 +1368,21 @@ class Engine:
     def _launch(self, seqs: list[Sequence], lags: list[int], src):
         out = self.runner.decode(seqs, lags, src)
         self.stats["decode_steps"] += 1
-        return seqs, self.runner.fetch_start(out["tok"], out["lp"], out["routing"])
+        return seqs, self.runner.fetch_start(out["tok"], out["lp"], *(out[k] for k in self.records))
 
     def _collect(self, step, running: list[Sequence]):
         """Read a launched step's tokens into its sequences that are still running (one may have ended on the
         step before it, which was read after this one launched)."""
         seqs, handle = step
-        self._advance(seqs, *self.runner.fetch_wait(handle), running)
+        self._advance(seqs, running, *self.runner.fetch_wait(handle))
 
-    def _advance(self, seqs: list[Sequence], tok, lp, routing, running: list[Sequence]):
-        """One step's tokens, log-probs and routing rows (host arrays by row) into its sequences still running."""
+    def _advance(self, seqs: list[Sequence], running: list[Sequence], tok, lp, *records):
+        """One step's tokens, log-probs and per-position rows (host arrays by row: routing, [index], as
+        self.records names them) into its sequences still running."""
         live = [i for i, s in enumerate(seqs) if s.finish is None]
         for i in live:
-            seqs[i].routing.append(routing[i:i + 1])
+            for name, rows in zip(self.records, records):
+                getattr(seqs[i], name).append(rows[i:i + 1])
             seqs[i].fed += 1
         self._take([seqs[i] for i in live], tok[live].tolist(), lp[live].tolist(), running, decoding=True)
 
@@ -1343,12 +1414,13 @@ class Engine:
         seqs = list(running)
         out = self.runner.decode(seqs)
         self.stats["decode_steps"] += 1
+        records = [out[k] for k in self.records]
         if not any(s.params.filtered for s in seqs):  # sampled inside the step
-            tok, lp, routing = self.runner.fetch(out["tok"], out["lp"], out["routing"])
+            tok, lp, *records = self.runner.fetch(out["tok"], out["lp"], *records)
         else:
-            (routing,) = self.runner.fetch(out["routing"])
+            records = self.runner.fetch(*records)
             tok, lp = (t.cpu().numpy() for t in self._draw(seqs, out["logits"]))
-        self._advance(seqs, tok, lp, routing, running)
+        self._advance(seqs, running, tok, lp, *records)
 
     def _draw(self, seqs: list[Sequence], logits):
         return sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
@@ -1976,6 +2048,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--index-entries", action="store_true",
+                    help="also write each position's indexer choices per CSA layer (index_entries; large)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
     from model import ModelConfig, build_model
@@ -2024,7 +2098,7 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(cfg, device, dtype, seed=args.seed) if yaml_model else args.model
-    kw = dict(fp8=not args.bf16, dtype=dtype, device=device)
+    kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
     engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
@@ -2052,6 +2126,8 @@ def main(argv=None):
                        "logprobs": o.logprobs, "finish_reason": o.finish_reason}
                 if tok is not None:
                     rec["text"] = tok.decode(o.token_ids)
+                if o.index_entries is not None:
+                    rec["index_entries"] = o.index_entries.tolist()
                 f.write(json.dumps(rec) + "\n")
             f.flush()
     print(f"wrote {len(prompts)} completions to {args.out}")

@@ -269,7 +269,8 @@ def test_fused_hc_and_norms(n, monkeypatch):
         f8 = fp8_dtype("cuda")
         h, _, _, (q, s) = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps), None, f8)
         q2, s2 = fp8_gemm.act_quant(h, f8)
-        assert torch.equal(h, normed[0]) and torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+        assert torch.equal(h, normed[0]) and torch.equal(s, s2)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
         pre = torch.sigmoid(rms_unweighted(x[:rows].flatten(-2).float(), 1e-6) @ fn[:n].T * sc[0] + base[:n]) + 1e-6
         want_head = nm((pre.unsqueeze(-1) * x[:rows].float()).sum(-2).bfloat16())
         assert rel(fused.hc_head(x[:rows], fn[:n], base[:n], sc[:1], 1e-6, 1e-6, (nm.weight, nm.eps)), want_head) < 1e-2
@@ -448,8 +449,10 @@ def test_engine_graphs_match_eager_and_simple():
     sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     for fp8 in (False, True):
         outs = {}
-        for name, eng in [("graphs", Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512)),
-                          ("eager", Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, cuda_graphs=False)),
+        rec = dict(record_index=True)  # the indexer's choices too (Output.index_entries)
+        for name, eng in [("graphs", Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec)),
+                          ("eager", Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, cuda_graphs=False,
+                                           **rec)),
                           ("simple", SimpleEngine(m, fp8=fp8, dtype=torch.bfloat16))]:
             outs[name] = eng.generate(prompts, sp)
         # and the graphs without programmatic dependent launch (kernels.fp8_gemm.pdl): the kernels that start
@@ -457,13 +460,14 @@ def test_engine_graphs_match_eager_and_simple():
         pdl = dict(fp8_gemm._PDL)
         fp8_gemm._PDL[torch.device("cuda", torch.cuda.current_device())] = False
         try:
-            outs["no pdl"] = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512).generate(prompts, sp)
+            outs["no pdl"] = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec).generate(prompts, sp)
         finally:
             fp8_gemm._PDL.clear()
             fp8_gemm._PDL.update(pdl)
         for other in ("eager", "no pdl"):  # the same kernels: bit-identical
             for a, b in zip(outs["graphs"], outs[other]):
                 assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, other
+                assert torch.equal(a.index_entries, b.index_entries), other
         # the simple engine (torch attention, its own batching) vs the paged one's kernels: log-probs of the
         # shared prefix. BF16 weights: within bf16 accuracy (0.091 nats at worst over 4 prompt seeds on an H200).
         # FP8: the engines' row batches differ (so do their GEMM tiles), and a last-bit difference re-rounds a

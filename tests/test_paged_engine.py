@@ -29,6 +29,27 @@ def _same(a, b):
     assert torch.equal(a.routed_experts, b.routed_experts)
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert a.finish_reason == b.finish_reason
+    assert (a.index_entries is None) == (b.index_entries is None)
+    if a.index_entries is not None:
+        assert torch.equal(a.index_entries, b.index_entries)
+
+
+def _chosen(model, full):
+    """The full-sequence forward's logits, routing and the indexer's chosen entries of every position (T, CSA
+    layers, index_topk), in Output.index_entries' layout."""
+    from rollout_server import index_record
+    masks, indexers = [], [blk.attn.indexer for blk in model.layers if blk.attn.indexer is not None]
+    for ix in indexers:
+        ix.select = lambda *a, _f=ix.select, **k: masks.append(_f(*a, **k)) or masks[-1]
+    try:
+        with torch.no_grad():
+            logits, routing = model(full, return_routing=True)
+    finally:
+        for ix in indexers:
+            del ix.select
+    k = model.cfg.index_topk
+    rows = [index_record(torch.where(m[0], torch.arange(m.shape[-1]), -1), k) for m in masks]
+    return logits, routing, torch.stack(rows, 1)
 
 
 @pytest.mark.parametrize("kw", [
@@ -40,17 +61,19 @@ def _same(a, b):
 def test_greedy_equals_simple_engine_and_full_forward(model, kw):
     prompts = _prompts([1, 5, 17, 33, 50])
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 12, 40, 25, 31)]
-    ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(prompts, params)
-    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, **kw)
+    ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu", record_index=True).generate(prompts, params)
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, record_index=True, **kw)
     out = eng.generate(prompts, params)
     for a, b in zip(ref, out):
         _same(a, b)
-    for o in out:  # and the full-sequence forward, token for token
+    for o in out:  # and the full-sequence forward, token for token: tokens, routing, the indexer's choices
         full = torch.tensor([o.prompt_token_ids + o.token_ids])
-        with torch.no_grad():
-            logits, routing = model(full, return_routing=True)
+        logits, routing, chosen = _chosen(model, full)
         assert logits[0, len(o.prompt_token_ids) - 1:-1].argmax(-1).tolist() == o.token_ids
         assert torch.equal(routing[0, :-1].to(torch.uint8), o.routed_experts)
+        assert o.index_entries.dtype == torch.int32 and torch.equal(chosen[:-1], o.index_entries)
+    # past 5 compressed entries a CSA layer's indexer picks 4 of them: the check covers real choices
+    assert (out[-1].index_entries[-1] >= 0).all() and int(out[-1].index_entries.max()) >= 4
     if "num_blocks" in kw:
         assert eng.stats["preemptions"] > 0
     if "max_batch_tokens" in kw:
@@ -60,8 +83,8 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
 def test_sampling_and_shared_prefixes_match_the_simple_engine(model):
     prompts = [*_prompts([7], 1)] * 4 + [*_prompts([20], 2)] * 3 + _prompts([2], 3)
     sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=12, max_tokens=20, seed=5)
-    a = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(prompts, sp)
-    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64)
+    a = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu", record_index=True).generate(prompts, sp)
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, record_index=True)
     b = eng.generate(prompts, sp)
     for x, y in zip(a, b):
         _same(x, y)
@@ -92,8 +115,15 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     for chunk in (2, 5):
         dst = tmp_path / f"o{chunk}.jsonl"
         main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(dst), "--max-tokens", "6",
-              "--chunk", str(chunk), "--max-seqs", "4", "--max-model-len", "64", "--n", "2"])
+              "--chunk", str(chunk), "--max-seqs", "4", "--max-model-len", "64", "--n", "2",
+              *(["--index-entries"] if chunk == 5 else [])])
         outs[chunk] = [json.loads(x) for x in dst.read_text().splitlines()]
+    cfg = load_yaml("configs/tiny.yaml")["model"]
+    for r in outs[5]:  # a row a fed position, a list of index_topk entries a CSA layer
+        assert "index_entries" not in outs[2][0]
+        assert len(r["index_entries"]) == len(r["prompt_token_ids"]) + len(r["token_ids"]) - 1
+        assert {len(x) for x in r["index_entries"]} == {sum(c == cfg["csa_ratio"] for c in cfg["compress_ratios"])}
+        assert {len(y) for x in r["index_entries"] for y in x} == {cfg["index_topk"]}
     assert [o["index"] for o in outs[2]] == list(range(10))
     for x, y in zip(outs[2], outs[5]):  # the same samples; log-probs to the last bits of other batch shapes
         assert (x["token_ids"], x["finish_reason"]) == (y["token_ids"], y["finish_reason"])
