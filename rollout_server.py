@@ -546,8 +546,8 @@ def index_record(entries: torch.Tensor, k: int) -> torch.Tensor:
 
 class IndexRecorder:
     """The indexer's chosen entries of one forward's tokens, CSA layer by layer (Output.index_entries): the
-    attention of layer li asks for a list per sequence (seq), in the batch's order, and appends index_record rows
-    of its tokens to it."""
+    attention of layer li asks for a list (seq) per sequence in the batch's order (prefill), or one for all rows
+    (decode), and appends index_record rows of those tokens to it."""
 
     def __init__(self, k: int):
         self.k, self.layers = k, {}
