@@ -721,7 +721,7 @@ class SimpleEngine:
         leaders = [g[0] for g in same.values()]
         group, size = [], 0
         for s in leaders + [None]:
-            if s is None or (group and size + len(s.prompt) > self.max_batch_tokens):
+            if group and (s is None or size + len(s.prompt) > self.max_batch_tokens):
                 logits = self._forward(group, [g.prompt for g in group])
                 members, rows = [], []
                 for g, row in zip(group, logits):

@@ -179,6 +179,9 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
 
 
 def test_stop_tokens_eos_and_limits(model):
+    for e in (Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64),
+              SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")):
+        assert e.generate([], GREEDY) == []  # no prompts, no outputs (the simple engine crashed in torch.cat)
     eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64)
     p = _prompts([9], 4)[0]
     free = eng.generate([p], GREEDY)[0]
