@@ -71,6 +71,15 @@ if triton is not None:
         gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
+    def quant_rows(x, fmax):
+        """x (R, 128) fp32, each row a 1x128 tile -> (q (R, 128) fp32, clamped to +-fmax, ready for the cast to
+        fp8; s (R,) the tiles' scales): act_quant's arithmetic, which every kernel that quantizes activations
+        shares so they give the same bytes (torch's differs in rare last bits: its scale is amax times 1/fmax, its
+        x / s IEEE; see test_act_quant_bit_exact)."""
+        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
+        return tl.clamp(x / s[:, None], -fmax, fmax), s
+
+    @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         """A PDL kernel's first step before it reads or writes what other kernels use: wait for the kernel before
         it, then let the next one launch."""
@@ -78,7 +87,7 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
 else:
-    pdl_wait = gdc_wait = None
+    pdl_wait = gdc_wait = quant_rows = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,10 +119,7 @@ if triton is not None:
         mask = (t < NKB)[:, None]
         offs = t[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         x = tl.load(X + m * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        # the one-launch linear's and the MoE up kernel's arithmetic (they must give the same bytes); torch's
-        # differs in rare last bits (its scale is amax times 1/fmax, its x / s IEEE), see test_act_quant_bit_exact
-        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
-        q = tl.clamp(x / s[:, None], -fmax, fmax)
+        q, s = quant_rows(x, fmax)
         tl.store(Q + m * NKB * BLOCK_K + offs, q.to(Q.dtype.element_ty), mask=mask)
         tl.store(S + m * NKB + t, s, mask=t < NKB)
 
@@ -264,10 +270,8 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
             elif SCALED:
                 sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
-                x = x.to(tl.float32)
-                sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax
-                q = tl.clamp(x / sx[:, None], -fmax, fmax).to(W.dtype.element_ty)
-                acc += tl.dot(q, tl.trans(w)) * sx[:, None] * sw[None, :]
+                q, sx = quant_rows(x.to(tl.float32), fmax)
+                acc += tl.dot(q.to(W.dtype.element_ty), tl.trans(w)) * sx[:, None] * sw[None, :]
             else:
                 acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
         out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
@@ -295,8 +299,8 @@ if triton is not None:
         (NKBP, 128) fp32 -> (BN,) fp32: SCALED, x quantized per 1x128 tile in act_quant's arithmetic and each
         tile's fp32 sum times both scales; else the plain products. fp32 FMAs, no tensor cores."""
         if SCALED:
-            sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / fmax  # (NKBP,)
-            q = tl.clamp(x / sx[:, None], -fmax, fmax).to(w.dtype).to(tl.float32)
+            q, sx = quant_rows(x, fmax)  # sx (NKBP,)
+            q = q.to(w.dtype).to(tl.float32)
             part = tl.sum(w.to(tl.float32) * q[None, :, :], 2)  # (BN, NKBP): each 1x128 block's sum
             return tl.sum(part * sx[None, :] * sw, 1)
         else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, triton, use_triton
 from .quant import BLOCK as TILE, fp8_max
 
 if triton is not None:
@@ -126,8 +126,7 @@ if triton is not None:
                 if QUANT:
                     NT: tl.constexpr = BLOCK // 128
                     yt = tl.reshape(y.to(tl.float32), (NT, 128))
-                    sy = tl.maximum(tl.max(tl.abs(yt), 1), 1e-12) / fmax
-                    qy = tl.clamp(yt / sy[:, None], -fmax, fmax)
+                    qy, sy = quant_rows(yt, fmax)
                     tb = tl.arange(0, NT)
                     offs = tb[:, None] * 128 + tl.arange(0, 128)[None, :]
                     tl.store(Q + t * D + offs, qy.to(Q.dtype.element_ty), mask=offs < D)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import (GEMV_WARPS, act_quant, act_quant_ref, divisor_at_most, pdl, pdl_wait, pow2, slab_dot,
-                       slab_rows, tickets, triton, use_triton)
+from .fp8_gemm import (GEMV_WARPS, act_quant, act_quant_ref, divisor_at_most, pdl, pdl_wait, pow2, quant_rows,
+                       slab_dot, slab_rows, tickets, triton, use_triton)
 from .quant import BLOCK, fp8_max
 
 if triton is not None:
@@ -271,10 +271,8 @@ if triton is not None:
         u = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = (g / (1.0 + tl.exp(-g)) * u).to(HDT.dtype.element_ty)
         if QUANT:
-            hf = h.to(tl.float32)
-            sh = tl.maximum(tl.max(tl.abs(hf), 1), 1e-12) / fmax
+            h, sh = quant_rows(h.to(tl.float32), fmax)
             tl.store(SH + rows * (I // BLOCK_K) + pn, sh, mask=valid)
-            h = tl.clamp(hf / sh[:, None], -fmax, fmax)
         tl.store(H + rows[:, None] * I + rn[None, :], h.to(H.dtype.element_ty), mask=valid[:, None] & mn[None, :])
 
     @triton.jit
