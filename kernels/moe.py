@@ -428,10 +428,11 @@ def _moe_tiles(T: int, scaled: bool = False):
     unsplit; from 16 tokens on every split was slower; in the engine's batch-1 step the up kernels took 166 us
     against 196). Past 64 tokens the down kernel 128 wide: at 256 tokens 146 us against 152 in the sweep, and
     535 us a step against 600 in the engine. At 64 tokens the engine's step measured the opposite of the sweep
-    (291 us against 280 for 64-wide), so 64 stays there."""
+    (291 us against 280 for 64-wide), so 64 stays there. 32- and 64-row blocks: the up kernel on 8 warps (128
+    tokens, 32-row blocks weights-first: 86.3 us a call against 89.4 on 4)."""
     if not scaled:
         return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
-    up = (128, 8, 3, 4) if T <= 4 else (128, 8, 3) if moe_block_m(T, True) == 64 else (128, 4, 3)
+    up = (128, 8, 3, 4) if T <= 4 else (128, 8, 3) if moe_block_m(T, True) > 16 else (128, 4, 3)
     return up, ((128 if T > 64 else 64), 4, 3)
 
 
@@ -441,23 +442,29 @@ def moe_block_m(T: int, scaled: bool = False) -> int:
     experts from HBM, scratch sweep of 16 / 32 / 64 rows x up / down tiles):
     BF16: 16 rows up to 64 tokens (64: 121 us against 129 for 32 or 64 rows), 32 at 128 (132 against 146), 64
     from 256 (256: 149 against 206; 512: 226 against 347).
-    FP8: 16 rows up to 128 tokens (128: 94 against 97-98), 64 past (256: 107 against 132; 512: 157 against 227;
-    32 rows: 134 / 212). Its 64-row tiles run on Hopper's wgmma, whose FP8 products sum inside each 128-wide K
-    block at reduced precision before the block's scales promote them to the fp32 accumulator -- DeepSeek's own
-    recipe (DeepGEMM promotes every 128), and the dense FP8 GEMM's past 32 rows: relative error against the
-    torch twin about 5e-3, against 2-4e-4 with 16 or 32 rows."""
+    FP8: 16 rows up to 64 tokens, 32 (weights-first, moe_swap) up to 128, 64 past. Against every (16 / 32 / 64
+    rows) x (x-first / weights-first) x (4 / 8 up warps), us a call: 64 tokens 76.7 (16 rows x-first) against
+    78.1 weights-first and 82.6 for 32 rows; 128 tokens 86.3 (32 rows weights-first, 8 warps) against 95.1 for 16
+    rows x-first; 256 tokens 104.4 (64 rows x-first) against 112.8 for 32 weights-first (earlier: 512 tokens 157
+    against 227 for 16 rows). In the engine's step (32 rows weights-first from 65 tokens, on 4 up warps): batch
+    128 2.88 -> 2.77 ms, but 64 2.28 -> 2.39, hence 16 rows there. The 64-row tiles and the weights-first
+    products run on Hopper's wgmma, whose FP8 products sum inside each 128-wide K block at reduced precision
+    before the block's scales promote them to the fp32 accumulator -- DeepSeek's own recipe (DeepGEMM promotes
+    every 128), and the dense FP8 GEMM's past 32 rows: relative error against the torch twin about 5e-3,
+    against 2-4e-4 with x-first 16 or 32 rows."""
     if scaled:
-        return 64 if T > 128 else 16
+        return 64 if T > 128 else 32 if T > 64 else 16
     return 16 if T <= 64 else 32 if T <= 128 else 64
 
 
 def moe_swap(T: int, scaled: bool) -> bool:
     """Whether the tiled kernels take their products weights-first (SWAP: (BLOCK_N, rows) tiles) for T tokens: FP8
     up to 16 tokens, where a 16-row block's x-first product is not Hopper's wgmma (which needs 64 rows) but the
-    weights-first one is. fused_moe a call on an H200 (mini's experts from HBM): 4 tokens 45.3 us against 48.5,
-    16 tokens 70.5 against 74.4, but 64 tokens 78.8 against 77.7; the engine's batch-16 step 1.95 ms against 2.00.
-    Numerics: wgmma's, as at 64-row blocks (see moe_block_m)."""
-    return scaled and T <= 16
+    weights-first one is, and with moe_block_m's 32-row blocks (65-128 tokens). fused_moe a call on an H200
+    (mini's experts from HBM): 4 tokens 45.3 us against 48.5, 16 tokens 70.5 against 74.4, but 64 tokens 78.8
+    against 77.7; the engine's batch-16 step 1.95 ms against 2.00. Numerics: wgmma's, as at 64-row blocks (see
+    moe_block_m)."""
+    return scaled and (T <= 16 or moe_block_m(T, scaled) == 32)
 
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,

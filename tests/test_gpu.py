@@ -132,13 +132,14 @@ def test_fp8_linear_grouped(M, N, K, G):
     assert got.shape == want.shape and rel(got, want) < 1e-3
 
 
-@pytest.mark.parametrize("T", [1, 2, 16, 64, 256])
+@pytest.mark.parametrize("T", [1, 2, 16, 64, 128, 256])
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("n_shared,absent", [(0, 0.0), (1, 0.0), (0, 0.3)])
 def test_fused_moe(T, fp8, n_shared, absent):
     """The grouped kernels against the per-expert loop: plain, with the last expert shared (every token, weight 1),
     with slots on another rank (id E, skipped). 1-2 tokens: the GEMV kernels, against the tiled ones below too.
-    FP8 up to 16 tokens the tiled kernels' products are weights-first (wgmma), checked as the 64-row blocks are."""
+    FP8 up to 16 tokens and at 65-128 the tiled kernels' products are weights-first (wgmma), checked as the 64-row
+    blocks are."""
     E, k, D, I = 32, 6, 2048, 1024
     g = torch.Generator("cuda").manual_seed(T)
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -161,7 +162,7 @@ def test_fused_moe(T, fp8, n_shared, absent):
         bf16 = fused_moe_ref(x, ids, wt, *(t.to(torch.bfloat16) for t in w), n_shared=n_shared)
         exact = fused_moe(x, ids, wt, *args, n_shared=n_shared, block_m=16, swap=False, gemv=False)
         wgmma = 0.2 * rel(exact, bf16)
-        for bm, swap in ((16, True), (64, False)):
+        for bm, swap in ((16, True), (32, True), (64, False)):
             y = fused_moe(x, ids, wt, *args, n_shared=n_shared, block_m=bm, swap=swap, gemv=False)
             assert rel(y, exact) < wgmma, (bm, swap, rel(y, exact), rel(exact, bf16))
         precise = T <= MOE_GEMV_TOKENS or not (moe_swap(T, True) or moe_block_m(T, True) == 64)
@@ -307,6 +308,12 @@ def test_fused_hc_and_norms(n, monkeypatch):
     norm = RMSNorm(512, 1e-6).cuda()
     norm.weight.data.normal_(generator=g)
     assert rel(fused.rms_norm(xb, norm.weight, 1e-6), norm(xb)) < 1e-2
+    # the q norm quantizing its rows for the FP8 wq_b: the norm's bits, act_quant's bytes (1 and 64 rows)
+    for rows in (1, 64):
+        y, (q8, s8) = fused.rms_norm_quant(xb[:rows], norm.weight.detach(), 1e-6, fp8_dtype("cuda"))
+        q2, s2 = fp8_gemm.act_quant(y, fp8_dtype("cuda"))
+        assert torch.equal(y, fused.rms_norm(xb[:rows], norm.weight, 1e-6)) and torch.equal(s8, s2)
+        assert torch.equal(q8.view(torch.uint8), q2.view(torch.uint8))
     # RMSNorm + rope in one kernel (the decode step's q heads and kv; kv rows strided, also stored to a cache)
     from model.model import _rms, _rms_unweighted, _rope
     ang = torch.randn(64, 32, device="cuda", generator=g) * 3
