@@ -517,10 +517,14 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
     compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
     position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
-    (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM."""
+    (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it the q norm
+    also quantizes its rows for wq_b and the indexer's (Attention.project_q's fp8)."""
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
-    q, q_res = attn.project_q(h, cos, sin, ins.get("wq_a"))
+    if hq is None:
+        (q, q_res), qq = attn.project_q(h, cos, sin, ins.get("wq_a")), None
+    else:
+        q, q_res, qq = attn.project_q(h, cos, sin, ins.get("wq_a"), fp8=hq[0].dtype)
     pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
 
     def comp(c, key):
@@ -530,7 +534,7 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     if attn.compressor is not None:
         pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
     if attn.indexer is not None:
-        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw)
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw, qq)
         pr["ikv"], pr["igate"] = comp(attn.indexer.compressor, "i")
     return pr
 

@@ -4,6 +4,7 @@
     hc_head(x, fn, base, scale, eps, norm_eps, norm) -> collapsed [normed]
     hc_post(out, x, post, comb[, fn]) -> new streams [, the next hc_pre's mix partials over them]
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
+    rms_norm_quant(x, weight, eps, fp8) -> normed, quantized                     (inference, for FP8 linears)
     rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
     norm_rope(x, weight, eps, cos, sin[, store])                                 (RMSNorm then rope, inference)
     swiglu(gate, up, limit)
@@ -124,13 +125,7 @@ if triton is not None:
                 y = (w * (c * inv)).to(dt)
                 tl.store(COLL + t * D + rd, y, mask=rd < D)
                 if QUANT:
-                    NT: tl.constexpr = BLOCK // 128
-                    yt = tl.reshape(y.to(tl.float32), (NT, 128))
-                    qy, sy = quant_rows(yt, fmax)
-                    tb = tl.arange(0, NT)
-                    offs = tb[:, None] * 128 + tl.arange(0, 128)[None, :]
-                    tl.store(Q + t * D + offs, qy.to(Q.dtype.element_ty), mask=offs < D)
-                    tl.store(S + t * (D // 128) + tb, sy, mask=tb < D // 128)
+                    store_quant_row(Q, S, t, y, fmax, D, BLOCK)
             else:  # the collapse in chunks, then (NORM) a second pass over what this program stored
                 ss = tl.zeros((BLOCK,), tl.float32)
                 for d0 in range(0, D, BLOCK):
@@ -253,6 +248,18 @@ if triton is not None:
         tl.store(PART + (t[:, None] * SPLIT + s) * MIXP + rm[None, :], acc, mask=mt[:, None])
 
     @triton.jit
+    def store_quant_row(Q, S, r, y, fmax, D: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r of (Q (rows, D) fp8, S (rows, D/128) fp32) = y (BLOCK,) (a row as it was stored, D of it valid,
+        D % 128 == 0) quantized per 1x128 tile in act_quant's arithmetic (quant_rows): the bytes act_quant would
+        give the FP8 linears and experts that read the row, so they skip its launch."""
+        NT: tl.constexpr = BLOCK // 128
+        q, s = quant_rows(tl.reshape(y.to(tl.float32), (NT, 128)), fmax)
+        tb = tl.arange(0, NT)
+        offs = tb[:, None] * 128 + tl.arange(0, 128)[None, :]
+        tl.store(Q + r * D + offs, q.to(Q.dtype.element_ty), mask=offs < D)
+        tl.store(S + r * (D // 128) + tb, s, mask=tb < D // 128)
+
+    @triton.jit
     def _rms_row(X, W, r, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
         """Row r of x RMS-normed, fp32 (BLOCK,) before the cast to x's dtype."""
         rd = tl.arange(0, BLOCK)
@@ -267,13 +274,17 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _rms_kernel(X, W, Y, eps, stride_x, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
-                    PDL: tl.constexpr = False):
+    def _rms_kernel(X, W, Y, Q, S, eps, stride_x, fmax, D: tl.constexpr, BLOCK: tl.constexpr,
+                    WEIGHTED: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+        """Row r of Y = RMSNorm(x). QUANT (D % 128 == 0): the stored row also quantized per 1x128 tile into Q and
+        S, act_quant's bytes (store_quant_row)."""
         pdl_wait(PDL)
         r = tl.program_id(0)
         rd = tl.arange(0, BLOCK)
-        y = _rms_row(X, W, r, stride_x, eps, D, BLOCK, WEIGHTED)
-        tl.store(Y + r * D + rd, y.to(Y.dtype.element_ty), mask=rd < D)
+        y = _rms_row(X, W, r, stride_x, eps, D, BLOCK, WEIGHTED).to(Y.dtype.element_ty)
+        tl.store(Y + r * D + rd, y, mask=rd < D)
+        if QUANT:
+            store_quant_row(Q, S, r, y, fmax, D, BLOCK)
 
 
 MIX_CHUNK = 64  # columns a mix partial sums (_mix_partials and hc_post's: one layout)
@@ -559,18 +570,23 @@ if triton is not None:
             tl.store(GW + pid * D + rd, gw, mask=md)
 
 
-def _rms_fwd(x, weight, eps: float):
-    """Rows of x may be strided (a column slice of a wider output: the engine's fused input GEMMs)."""
+def _rms_fwd(x, weight, eps: float, fp8=None):
+    """Rows of x may be strided (a column slice of a wider output: the engine's fused input GEMMs). fp8 (an FP8
+    dtype, D % 128 == 0): -> (y, (q, scales)), y's rows also quantized per 1x128 tile as act_quant gives them."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+    q = torch.empty(rows, D, dtype=fp8, device=x.device) if fp8 is not None else y
+    s = torch.empty(rows, D // TILE, dtype=torch.float32, device=x.device) if fp8 is not None else y
     if rows:
-        _rms_kernel[(rows,)](x2, weight if weight is not None else x2, y, eps, x2.stride(0), D=D, BLOCK=pow2(D),
-                             WEIGHTED=weight is not None, num_warps=4 if D <= 2048 else 8, **pdl(x2))
-    return y.view(x.shape)
+        _rms_kernel[(rows,)](x2, weight if weight is not None else x2, y, q, s, eps, x2.stride(0),
+                             fp8_max(fp8) if fp8 is not None else 1.0, D=D, BLOCK=pow2(D),
+                             WEIGHTED=weight is not None, QUANT=fp8 is not None, num_warps=4 if D <= 2048 else 8,
+                             **pdl(x2))
+    return y.view(x.shape) if fp8 is None else (y.view(x.shape), (q, s))
 
 
 class _RmsNorm(torch.autograd.Function):
@@ -604,6 +620,15 @@ def rms_norm(x, weight, eps: float):
     if needs_grad(x, weight):
         return _RmsNorm.apply(x, weight, eps)
     return _rms_fwd(x, weight, eps)
+
+
+def rms_norm_quant(x, weight, eps: float, fp8):
+    """Inference's rms_norm whose kernel also quantizes the normed rows for an FP8 linear: x (..., D) -> (y,
+    xq) with xq = (q (rows, D) fp8, scales (rows, D/128)) as act_quant(y) gives them, or None where the kernel
+    does not make them (D not a multiple of 128, or autograd on)."""
+    if x.shape[-1] % TILE or needs_grad(x, weight):
+        return rms_norm(x, weight, eps), None
+    return _rms_fwd(x, weight, eps, fp8)
 
 
 if triton is not None:

@@ -274,6 +274,15 @@ INTERPRETED = textwrap.dedent("""
     assert fused.hc_pre(xs[..., :96], fn[:, :384], base, sc, 3, 1e-6, 1e-6, (nw[:96], 1e-6), None,
                         torch.float8_e4m3fn)[3] is None
     assert hc_pre(xs.float(), fn, base, sc, 3, 1e-6, 1e-6, None, None, torch.float8_e4m3fn)[3] is None
+    # the q norm's kernel quantizing its rows for wq_b (Attention.project_q's fp8): act_quant's bytes, the norm
+    # rms_norm's; strided rows (a column slice of the input GEMM), D 384 in a 512 block; D % 128: none
+    a = torch.randn(3, 640, generator=g).bfloat16()[:, 128:512]
+    y, (q, s) = fused.rms_norm_quant(a, nw.float(), 1e-6, torch.float8_e4m3fn)
+    q2, s2 = act_quant_kernel(y, torch.float8_e4m3fn)
+    assert torch.equal(y, fused.rms_norm(a, nw.float(), 1e-6)) and torch.equal(s, s2)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    y, none = fused.rms_norm_quant(a[:, :96], nw[:96].float(), 1e-6, torch.float8_e4m3fn)
+    assert none is None and torch.equal(y, fused.rms_norm(a[:, :96], nw[:96].float(), 1e-6))
     xs = torch.randn(1, 1, 4100, generator=g)  # D > 4096: the norm as a second pass over the stored row
     fn, base = torch.randn(3, 4100, generator=g) * 0.1, torch.randn(3, generator=g)
     norm = RMSNorm(4100, 1e-6)
@@ -372,9 +381,24 @@ ENGINE_INTERPRETED = textwrap.dedent("""
 import torch
 from model import ModelConfig, build_model
 from model.config import load_yaml
+from kernels import fused
 from rollout_server import Engine, SamplingParams, SimpleEngine
-cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+# widths in 128s, so the FP8 linears and experts take the Triton kernels (not tiny's dequantized weights) and the
+# quantized rows of the mHC pre and q-norm kernels feed them; spies count the rows those kernels quantized
+dims = ["model.vocab_size=32", "model.hidden_size=128", "model.q_lora_rank=128", "model.head_dim=64",
+        "model.o_lora_rank=128", "model.moe_intermediate_size=128"]
+cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", dims)["model"])
 m = build_model(cfg, seed=0).eval()
+quantized = {"hc_pre": 0, "rms_norm_quant": 0}
+def spy(name, i):
+    f = getattr(fused, name)
+    def run(*a, **k):
+        out = f(*a, **k)
+        quantized[name] += len(out) > i and out[i] is not None
+        return out
+    setattr(fused, name, run)
+spy("hc_pre", 3)
+spy("rms_norm_quant", 1)
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (5, 30, 41)]
 sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -385,14 +409,16 @@ for x, y in zip(a, b):
     assert x.token_ids == y.token_ids and torch.equal(x.routed_experts, y.routed_experts)
     assert torch.equal(x.index_entries, y.index_entries)
 assert int(a[-1].index_entries.max()) >= 4  # past 4 entries the indexer chooses among them
+assert quantized["hc_pre"] > 0 and quantized["rms_norm_quant"] > 0, quantized
 print("ok")
 """)
 
 
 def test_fp8_paged_engine_under_the_interpreter():
-    """The paged FP8 engine on the decode path's Triton kernels (3 rows a step: the mHC pre kernel's quantized
-    rows feed the FP8 input GEMM and the experts; the index_topk kernel's choices recorded) against the simple
-    engine: tokens, routing and the indexer's choices. CPU, 2-3 minutes (skipped without Triton, as on CI)."""
+    """The paged FP8 engine on the decode path's Triton kernels (3 rows a step, widths in 128s: the mHC pre and
+    q-norm kernels' quantized rows feed the FP8 linears and the experts; the index_topk kernel's choices
+    recorded) against the simple engine: tokens, routing and the indexer's choices. CPU, a few minutes (skipped
+    without Triton, as on CI)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", ENGINE_INTERPRETED], capture_output=True, text=True, env=env,
