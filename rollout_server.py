@@ -225,9 +225,8 @@ def hold_view(lin: nn.Module, w: torch.Tensor, scale: torch.Tensor | None = None
 class InputGEMMs:
     """One GEMM per weight format over the linears of an attention layer that read its input h (wq_a, wkv, the
     compressors' wkv / wgate, the indexer's weights_proj: 2 in FP8 + 5 in BF16 at a CSA layer of the FP8
-    engine), instead of one each; or over any other linears that read one input (a CSA layer's wq_b and the
-    indexer's, on q_res). The linears keep views of their rows of the concatenated weight, so weight syncs into
-    them land in it. Calling it gives each grouped linear's output (a column slice of the group's)."""
+    engine), instead of one each. The linears keep views of their rows of the concatenated weight, so weight
+    syncs into them land in it. Calling it gives each linear's output (a column slice of the group's)."""
 
     def __init__(self, lins: dict):
         self.groups = []
@@ -366,8 +365,6 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
         elif isinstance(mod, Attention):
             mod.input_gemms = InputGEMMs(InputGEMMs.linears(mod))
-            if mod.indexer is not None:  # wq_b and the indexer's read the same q_res: one GEMM
-                mod.q_gemms = InputGEMMs({"wq_b": mod.wq_b, "iq": mod.indexer.wq_b})
     return model
 
 
@@ -521,17 +518,14 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
     position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
     (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it the q norm
-    also quantizes its rows for the FP8 linears reading them (Attention.q_residual's fp8). The linears reading
-    q_res (wq_b, the indexer's wq_b) are one GEMM where the engine grouped them (q_gemms)."""
+    also quantizes its rows for wq_b and the indexer's (Attention.project_q's fp8)."""
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
-    q_res, qq = attn.q_residual(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
-    outs = attn.q_gemms(q_res, qq) if hasattr(attn, "q_gemms") else {}
-
-    def lin(key, holder):  # a linear reading q_res: its column slice of the group's GEMM, else its own
-        return outs[key] if key in outs else holder(q_res) if qq is None else holder(q_res, qq)
-    pr = {"q": attn.q_heads(lin("wq_b", attn.wq_b), cos, sin),
-          "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
+    if hq is None:
+        (q, q_res), qq = attn.project_q(h, cos, sin, ins.get("wq_a")), None
+    else:
+        q, q_res, qq = attn.project_q(h, cos, sin, ins.get("wq_a"), fp8=hq[0].dtype)
+    pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
 
     def comp(c, key):
         kv = ins[key + "kv"] if key + "kv" in ins else c.wkv(h)
@@ -540,8 +534,7 @@ def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
     if attn.compressor is not None:
         pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
     if attn.indexer is not None:
-        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw,
-                                                lin("iq", attn.indexer.wq_b))
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw, qq)
         pr["ikv"], pr["igate"] = comp(attn.indexer.compressor, "i")
     return pr
 

@@ -241,12 +241,13 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
 
-    def query(self, x, q_res, cos, sin, w=None, raw: bool = False, qb=None):
-        """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32. w: weights_proj(x), qb: wq_b(q_res),
-        where the caller has them. raw: q and w in the linears' dtype and w not yet scaled by w_scale (the
-        rollout engine's index_scores kernel converts and scales them as it reads them)."""
+    def query(self, x, q_res, cos, sin, w=None, raw: bool = False, qq=None):
+        """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32. w: weights_proj(x) where the caller
+        has it. raw: q and w in the linears' dtype and w not yet scaled by w_scale (the rollout engine's
+        index_scores kernel converts and scales them as it reads them). qq: q_res quantized (project_q's), for
+        the FP8 engine's wq_b."""
         B, T, _ = x.shape
-        q = (self.wq_b(q_res) if qb is None else qb).view(B, T, self.n_heads, self.head_dim)
+        q = (self.wq_b(q_res) if qq is None else self.wq_b(q_res, qq)).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         w = self.weights_proj(x) if w is None else w
         return (q, w) if raw else (q.float(), w.float() * self.w_scale)
@@ -424,32 +425,26 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, cfg.hca_ratio, cfg.head_dim, overlap=False)
 
     # pieces shared with the rollout engine's incremental path
-    def q_residual(self, x, a=None, fp8=None):
-        """x (B, T, D) -> (q_res (B, T, q_lora): wq_b's input, the indexer's too; its rows quantized per 1x128
-        tile (q, scales) for an FP8 wq_b, or None). a: wq_a(x) where the caller has it (the rollout engine's one
-        GEMM over every linear reading x). fp8 (the FP8 engine's dtype): the norm's kernel also quantizes the rows,
-        where it can (fused.rms_norm_quant), so the FP8 linears reading q_res skip their act_quant launch."""
+    def project_q(self, x, cos, sin, a=None, fp8=None):
+        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too).
+        a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x).
+        fp8 (the FP8 engine's dtype, its wq_b an FP8 holder): the norm's kernel also quantizes q_res's rows for
+        wq_b (no act_quant launch); returns (q, q_res, q_res quantized (q, scales) or None) for the indexer."""
+        B, T, _ = x.shape
         a = self.wq_a(x) if a is None else a
+        qq = None
         if fp8 is not None and fused_ok(a):
-            return fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
-        return self.q_norm(a), None
-
-    def q_heads(self, qb, cos, sin):
-        """wq_b's output (B, T, H * d) -> q (B, T, H, d): each head RMS-normed (unweighted), then roped."""
-        B, T, _ = qb.shape
-        q = qb.view(B, T, self.n_heads, self.head_dim)
+            q_res, qq = fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
+        else:
+            q_res = self.q_norm(a)
+        q = (self.wq_b(q_res) if qq is None else self.wq_b(q_res, qq)).view(B, T, self.n_heads, self.head_dim)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         if fused_ok(q):  # inference: the per-head norm and the rotation in one kernel
             y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin)
             if y is not None:
-                return y
-        return apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin)
-
-    def project_q(self, x, cos, sin, a=None):
-        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too). a: as in
-        q_residual."""
-        q_res, _ = self.q_residual(x, a)
-        return self.q_heads(self.wq_b(q_res), cos, sin), q_res
+                return (y, q_res) if fp8 is None else (y, q_res, qq)
+        y = apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin)
+        return (y, q_res) if fp8 is None else (y, q_res, qq)
 
     def project_kv(self, x, cos, sin, kv=None, store=None):
         """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head. kv: wkv(x) where the caller has it.
