@@ -439,11 +439,10 @@ class Attention(nn.Module):
             q_res = self.q_norm(a)
         q = (self.wq_b(q_res) if qq is None else self.wq_b(q_res, qq)).view(B, T, self.n_heads, self.head_dim)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        if fused_ok(q):  # inference: the per-head norm and the rotation in one kernel
-            y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin)
-            if y is not None:
-                return (y, q_res) if fp8 is None else (y, q_res, qq)
-        y = apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin)
+        # inference: the per-head norm and the rotation in one kernel (None where it declines the broadcast)
+        y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin) if fused_ok(q) else None
+        if y is None:
+            y = apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin)
         return (y, q_res) if fp8 is None else (y, q_res, qq)
 
     def project_kv(self, x, cos, sin, kv=None, store=None):
