@@ -2054,6 +2054,9 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--index-entries", action="store_true",
                     help="also write each position's indexer choices per CSA layer (index_entries; large)")
+    ap.add_argument("--no-routed-experts", action="store_true",
+                    help="leave out each position's routed expert ids per MoE layer (routed_experts: what routing "
+                         "replay needs, about 3 bytes a token a layer and expert in the JSON)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
     from model import ModelConfig, build_model
@@ -2130,6 +2133,8 @@ def main(argv=None):
                        "logprobs": o.logprobs, "finish_reason": o.finish_reason}
                 if tok is not None:
                     rec["text"] = tok.decode(o.token_ids)
+                if not args.no_routed_experts:
+                    rec["routed_experts"] = o.routed_experts.tolist()
                 if o.index_entries is not None:
                     rec["index_entries"] = o.index_entries.tolist()
                 f.write(json.dumps(rec) + "\n")

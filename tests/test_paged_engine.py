@@ -116,11 +116,16 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         dst = tmp_path / f"o{chunk}.jsonl"
         main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(dst), "--max-tokens", "6",
               "--chunk", str(chunk), "--max-seqs", "4", "--max-model-len", "64", "--n", "2",
-              *(["--index-entries"] if chunk == 5 else [])])
+              *(["--index-entries", "--no-routed-experts"] if chunk == 5 else [])])
         outs[chunk] = [json.loads(x) for x in dst.read_text().splitlines()]
     cfg = load_yaml("configs/tiny.yaml")["model"]
+    for r in outs[2]:  # a row a fed position, the top-k routed experts of each MoE layer (the engine's uint8 ids)
+        assert "index_entries" not in r and "routed_experts" not in outs[5][0]
+        assert len(r["routed_experts"]) == len(r["prompt_token_ids"]) + len(r["token_ids"]) - 1
+        assert {len(x) for x in r["routed_experts"]} == {cfg["num_hidden_layers"]}
+        assert {len(y) for x in r["routed_experts"] for y in x} == {cfg["num_experts_per_tok"]}
+        assert all(0 <= e < cfg["n_routed_experts"] for x in r["routed_experts"] for y in x for e in y)
     for r in outs[5]:  # a row a fed position, a list of index_topk entries a CSA layer
-        assert "index_entries" not in outs[2][0]
         assert len(r["index_entries"]) == len(r["prompt_token_ids"]) + len(r["token_ids"]) - 1
         assert {len(x) for x in r["index_entries"]} == {sum(c == cfg["csa_ratio"] for c in cfg["compress_ratios"])}
         assert {len(y) for x in r["index_entries"] for y in x} == {cfg["index_topk"]}
