@@ -4,10 +4,11 @@
 
 Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a's grouped product, wo_b):
 cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), fp8_linear_fused (one launch) at
-its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program), and up to 4 rows the GEMV kernel
-(--sweep: its programs x warps; the BF16 input GEMMs too). --moe: fused_moe, FP8 and BF16,
-at its default tiles and (with --sweep) others, and up to 4 tokens its GEMV kernels, the k + shared experts of mini's
-routing.
+its default tiles and, with --sweep, at every (BLOCK_N, K blocks a program), past 16 rows also the GEMM alone on
+rows already quantized at every (BLOCK_N, K blocks, pipeline depth), and up to 4 rows the GEMV kernel (--sweep: its
+programs x warps; the BF16 input GEMMs too). --moe: fused_moe, FP8 and BF16,
+at its default tiles and (with --sweep) others and every (rows a block, x-first / weights-first products, up
+kernel warps), and up to 4 tokens its GEMV kernels, the k + shared experts of mini's routing.
 
 Each call reads its weights from HBM, not L2: the CUDA graph that is timed cycles through enough copies of the
 weights to exceed the L2 (graph of R calls, replayed; us per call = time / R). Weight GB/s = weight bytes / time
@@ -15,6 +16,7 @@ weights to exceed the L2 (graph of R calls, replayed; us per call = time / R). W
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -22,7 +24,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fp8_gemm import _fused_blocks, act_quant, fp8_gemm, fp8_linear_fused, gemv, small_linear  # noqa: E402
+from kernels.fp8_gemm import (FUSED_ROWS, _fused_blocks, _gemm_blocks, act_quant, fp8_gemm,  # noqa: E402
+                               fp8_linear_fused, gemv, small_linear)
 from kernels.moe import _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -91,6 +94,15 @@ def linears(c: ModelConfig, batches, sweep: bool):
                         if ks <= K // 128:
                             row[f"fused {bn}/{ks}"] = graph_us(
                                 [lambda t=t: fp8_linear_fused(x, *t, groups=g, blocks=(bm, bn, ks)) for t in q])
+            if sweep and M > FUSED_ROWS:  # the GEMM alone on rows already quantized (the engine's input GEMM and
+                # wq_b past FUSED_ROWS rows: hc_pre / the q norm quantize them), every (BLOCK_N, K blocks, depth)
+                xq, sx = act_quant(x, f8)
+                bm2 = _gemm_blocks(M, N // g, K, g)[0]
+                for bn, ks, st in itertools.product((16, 32, 64), (2, 4, 8, 16), (3, 5, 8)):
+                    if ks <= K // 128:
+                        row[f"gemm {bn}/{ks}/{st}"] = graph_us(
+                            [lambda t=t: fp8_linear_fused(xq, *t, groups=g, blocks=(bm2, bn, ks), sx=sx,
+                                                          out_dtype=torch.bfloat16, stages=st) for t in q])
             del q, wb
             torch.cuda.empty_cache()
             top = min((v, k) for k, v in row.items() if k.startswith(("fused", "gemv")))[1]
@@ -163,6 +175,12 @@ def experts(c: ModelConfig, batches, sweep: bool):
                                                                       tiles=tiles) for a in layers])
                 except triton.runtime.errors.OutOfResources:  # e.g. BF16 128-wide tiles at 4 stages
                     torch.cuda.synchronize()
+            if sweep and M > 2:  # rows a block x products x-first / weights-first x the up kernel's warps
+                for bm, swap, nw in itertools.product((16, 32, 64), (False, True), (4, 8)):
+                    t = ((up[0], nw, *up[2:]), down)
+                    row[f"rows {bm} {'weights' if swap else 'x'}-first up warps {nw}"] = graph_us(
+                        [lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts, tiles=t, block_m=bm,
+                                               swap=swap) for a in layers])
             if M <= 4:  # the GEMV kernels (fused_moe's default up to MOE_GEMV_TOKENS)
                 row["gemv"] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts, gemv=True)
                                         for a in layers])
