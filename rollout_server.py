@@ -301,7 +301,7 @@ class EngineExperts(nn.Module):
             idx = idx - self.expert_offset
             idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
         y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit, self.n_shared,
-                      xq=xq if self.fp8 is not None else None)
+                      xq=xq)
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y

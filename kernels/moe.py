@@ -447,11 +447,11 @@ def moe_block_m(T: int, scaled: bool = False) -> int:
     78.1 weights-first and 82.6 for 32 rows; 128 tokens 86.3 (32 rows weights-first, 8 warps) against 95.1 for 16
     rows x-first; 256 tokens 104.4 (64 rows x-first) against 112.8 for 32 weights-first (earlier: 512 tokens 157
     against 227 for 16 rows). In the engine's step (32 rows weights-first for 17-128 tokens, on 4 up warps): batch
-    32 2.13 -> 2.11 ms, 128 2.88 -> 2.77, but 64 2.28 -> 2.39, hence 16 rows up to 64 tokens. The 64-row tiles and the weights-first
-    products run on Hopper's wgmma, whose FP8 products sum inside each 128-wide K block at reduced precision
-    before the block's scales promote them to the fp32 accumulator -- DeepSeek's own recipe (DeepGEMM promotes
-    every 128), and the dense FP8 GEMM's past 32 rows: relative error against the torch twin about 5e-3,
-    against 2-4e-4 with x-first 16 or 32 rows."""
+    32 2.13 -> 2.11 ms, 128 2.88 -> 2.77, but 64 2.28 -> 2.39, hence 16 rows up to 64 tokens. The 64-row tiles
+    and the weights-first products run on Hopper's wgmma, whose FP8 products sum inside each 128-wide K block at
+    reduced precision before the block's scales promote them to the fp32 accumulator -- DeepSeek's own recipe
+    (DeepGEMM promotes every 128), and the dense FP8 GEMM's past 32 rows: relative error against the torch twin
+    about 5e-3, against 2-4e-4 with x-first 16 or 32 rows."""
     if scaled:
         return 64 if T > 128 else 32 if T > 64 else 16
     return 16 if T <= 64 else 32 if T <= 128 else 64

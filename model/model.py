@@ -156,6 +156,11 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
+    def forward(self, x, xq=None):
+        """xq: x's rows already quantized per 1x128 tile, where the caller has them: the rollout engine's FP8
+        holders take them instead of quantizing x; a plain weight reads x."""
+        return super().forward(x)
+
     def reset_parameters(self):
         if not self.weight.is_meta:  # nothing to fill on meta (and the fill would import torch._dynamo: seconds)
             super().reset_parameters()
@@ -247,7 +252,7 @@ class Indexer(nn.Module):
         index_scores kernel converts and scales them as it reads them). qq: q_res quantized (project_q's), for
         the FP8 engine's wq_b."""
         B, T, _ = x.shape
-        q = (self.wq_b(q_res) if qq is None else self.wq_b(q_res, qq)).view(B, T, self.n_heads, self.head_dim)
+        q = self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         w = self.weights_proj(x) if w is None else w
         return (q, w) if raw else (q.float(), w.float() * self.w_scale)
@@ -437,7 +442,7 @@ class Attention(nn.Module):
             q_res, qq = fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
         else:
             q_res = self.q_norm(a)
-        q = (self.wq_b(q_res) if qq is None else self.wq_b(q_res, qq)).view(B, T, self.n_heads, self.head_dim)
+        q = self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         # inference: the per-head norm and the rotation in one kernel (None where it declines the broadcast)
         y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin) if fused_ok(q) else None
