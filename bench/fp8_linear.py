@@ -97,6 +97,7 @@ def linears(c: ModelConfig, batches, sweep: bool):
             if sweep and M > FUSED_ROWS:  # the GEMM alone on rows already quantized (the engine's input GEMM and
                 # wq_b past FUSED_ROWS rows: hc_pre / the q norm quantize them), every (BLOCK_N, K blocks, depth)
                 xq, sx = act_quant(x, f8)
+                row["gemm default"] = graph_us([lambda t=t: fp8_gemm(xq, sx, *t, groups=g) for t in q])
                 bm2 = _gemm_blocks(M, N // g, K, g)[0]
                 for bn, ks, st in itertools.product((16, 32, 64), (2, 4, 8, 16), (3, 5, 8)):
                     if ks <= K // 128:
