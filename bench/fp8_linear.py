@@ -26,7 +26,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.fp8_gemm import (FUSED_ROWS, _fused_blocks, _gemm_blocks, act_quant, fp8_gemm,  # noqa: E402
                                fp8_linear_fused, gemv, small_linear)
-from kernels.moe import _moe_tiles, fused_moe  # noqa: E402
+from kernels.moe import _moe_gemv, _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from model.config import load_yaml  # noqa: E402
@@ -185,6 +185,10 @@ def experts(c: ModelConfig, batches, sweep: bool):
             if M <= 4:  # the GEMV kernels (fused_moe's default up to MOE_GEMV_TOKENS)
                 row["gemv"] = graph_us([lambda a=a: fused_moe(x, ids, wt, *a, n_shared=c.n_shared_experts, gemv=True)
                                         for a in layers])
+                for slab, nw in itertools.product((8192, 16384, 32768, 65536), (4, 8)) if sweep else ():
+                    row[f"gemv slab {slab} warps {nw}"] = graph_us(
+                        [lambda a=a: _moe_gemv(x, ids, wt, *(a + (None,) * 3)[:6], 10.0, c.n_shared_experts,
+                                               slab=slab, warps=nw) for a in layers])
             print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB), us a call"
                   f" (weight GB/s), (up tiles), (down tiles) as (BLOCK_N, warps, stages):", flush=True)
             for t, v in sorted(row.items(), key=lambda r: r[1]):

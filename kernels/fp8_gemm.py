@@ -350,11 +350,11 @@ GEMV_ROWS, GEMV_PROGRAMS, GEMV_WARPS = 2, 256, 8
 GEMV_SLAB = 32768  # most weight bytes a program holds
 
 
-def slab_rows(N: int, row_bytes: int, most: int = 64) -> int:
+def slab_rows(N: int, row_bytes: int, most: int = 64, slab: int | None = None) -> int:
     """The rows of a GEMV program's weight slab: the largest power of two up to 64 (and up to `most`) that divides
-    N and keeps the slab within GEMV_SLAB bytes."""
+    N and keeps the slab within `slab` bytes (default GEMV_SLAB)."""
     bn = 1
-    while bn * 2 <= min(64, most) and N % (bn * 2) == 0 and bn * 2 * row_bytes <= GEMV_SLAB:
+    while bn * 2 <= min(64, most) and N % (bn * 2) == 0 and bn * 2 * row_bytes <= (slab or GEMV_SLAB):
         bn *= 2
     return bn
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import (GEMV_WARPS, act_quant, act_quant_ref, divisor_at_most, pdl, pdl_wait, pow2, quant_rows,
+from .fp8_gemm import (act_quant, act_quant_ref, divisor_at_most, pdl, pdl_wait, pow2, quant_rows,
                        slab_dot, slab_rows, tickets, triton, use_triton)
 from .quant import BLOCK, fp8_max
 
@@ -393,11 +393,18 @@ if triton is not None:
 # kernels: FP8 1 token 22.9 against 29.5, 2 tokens 38.8 against 43.3, 4 tokens 64.1 against 52.5; BF16 27.9
 # against 36.0, 46.0 against 52.8, 72.8 against 66.4. In the engine's batch-1 step: FP8 1.19 -> 1.12 ms.
 MOE_GEMV_TOKENS = 2
+# their programs' most weight bytes and warps: fused_moe a call on an H200 (bench/fp8_linear.py --moe --sweep, every
+# 8-64 KB x 4 / 8 warps) within 0.4 us of the fastest at 1 and 2 tokens, FP8 and BF16 (FP8 1 token 20.4 us against
+# 22.9 for the dense GEMV's 32 KB on 8 warps, 2 tokens 35.4 against 38.7); the engine's FP8 step at batch 1 1.06 ->
+# 1.03 ms, batch 2 1.30 -> 1.28, BF16 batch 1 1.22 -> 1.20
+MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
 
 
-def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int):
+def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, slab: int | None = None,
+              warps: int | None = None):
     """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, one program
-    per (slot, slab of weight rows), then the slots' sum. fused_moe's numerics with the sums in another order."""
+    per (slot, slab of weight rows), then the slots' sum. fused_moe's numerics with the sums in another order.
+    slab, warps: a program's most weight bytes and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS)."""
     T, D = x.shape
     E, I, _ = w1.shape
     k = ids.shape[1]
@@ -409,11 +416,11 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     x = x.contiguous()
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
     for X, W, S, W3, S3, Y, N, K, gated in launches if T else ():
-        bn = slab_rows(N, K * W.element_size() * (2 if gated else 1))
+        bn = slab_rows(N, K * W.element_size() * (2 if gated else 1), slab=slab or MOE_GEMV_SLAB)
         _moe_gemv_kernel[(T * kt, N // bn)](
             X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
-            SCALED=scaled, BLOCK_K=BLOCK, num_warps=GEMV_WARPS, **pdl(x))
+            SCALED=scaled, BLOCK_K=BLOCK, num_warps=warps or MOE_GEMV_WARPS, **pdl(x))
     return _slot_sum(y, ids, E, k, kt, x.dtype)
 
 

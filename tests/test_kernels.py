@@ -183,6 +183,11 @@ INTERPRETED = textwrap.dedent("""
                 want = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh, gemv=False)
                 got = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh)
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (n_sh, T_)
+                # other slab sizes (programs of fewer / more weight rows): the same products, the same bits
+                ws_ = (*w_, None, None, None)[:6]
+                for slab in (1024, 65536):
+                    assert torch.equal(got, km._moe_gemv(xs[:T_], ids_sh[:T_], wt[:T_], *ws_, 10.0, n_sh,
+                                                         slab=slab, warps=4)), (n_sh, T_, slab)
     km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
