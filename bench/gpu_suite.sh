@@ -9,7 +9,7 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for part in "$@"; do
   case $part in
     tests)
-      timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
+      timeout 585 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
       tail -3 "$OUT/gpu_tests.log" ;;
     rollout)
       timeout 300 python3 bench/rollout.py --gen-len 256 --bf16-batches 64 --long-gen 32 --hf-tokens 8 \
