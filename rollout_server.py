@@ -248,10 +248,13 @@ class InputGEMMs:
                 a = b
             self.groups.append((FP8Linear.holding(w, scale, members[0][1]) if fp8 else w, spans))
 
-    def __call__(self, h, hq=None) -> dict:
-        """hq: h's rows quantized per 1x128 tile, (q, scales), for the FP8 group (else it quantizes h itself)."""
+    def __call__(self, h, hq=None, fp8: bool | None = None) -> dict:
+        """hq: h's rows quantized per 1x128 tile, (q, scales), for the FP8 group (else it quantizes h itself).
+        fp8: only the FP8 group (True) or only the others (False); None: all."""
         out = {}
         for holder, spans in self.groups:
+            if fp8 is not None and isinstance(holder, FP8Linear) != fp8:
+                continue
             y = holder(h, hq) if isinstance(holder, FP8Linear) else small_linear(h, holder)
             out.update((key, y[..., a:b]) for key, a, b in spans)
         return out
@@ -513,23 +516,34 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     return CompState(kv[c * r:], gate[c * r:], prev, entries)
 
 
-def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None):
+def comp_inputs(c, key: str, h, ins: dict):
+    """Compressor c's kv and gate rows of h as its linears give them: from the layer's input GEMMs (ins, under
+    key + "kv" / key + "gate") where they ran there."""
+    kv = ins[key + "kv"] if key + "kv" in ins else c.wkv(h)
+    return kv, (ins[key + "gate"] if key + "gate" in ins else c.wgate(h))
+
+
+def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None, ins=None, join=None):
     """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
     compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
     position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
     (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it the q norm
-    also quantizes its rows for wq_b and the indexer's (Attention.project_q's fp8)."""
+    also quantizes its rows for wq_b and the indexer's (Attention.project_q's fp8). ins: the input GEMMs'
+    outputs where the caller ran them (else this runs them). join: called after q and kv, before anything reads
+    the compressors' or the indexer's inputs (the decode step's side stream, which computes them)."""
     cos, sin = tables[attn.rope_kind]
-    ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
+    if ins is None:
+        ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
     if hq is None:
         (q, q_res), qq = attn.project_q(h, cos, sin, ins.get("wq_a")), None
     else:
         q, q_res, qq = attn.project_q(h, cos, sin, ins.get("wq_a"), fp8=hq[0].dtype)
     pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
+    if join is not None:
+        join()
 
     def comp(c, key):
-        kv = ins[key + "kv"] if key + "kv" in ins else c.wkv(h)
-        gate = ins[key + "gate"] if key + "gate" in ins else c.wgate(h)
+        kv, gate = comp_inputs(c, key, h, ins)
         return (kv, gate) if raw else c.biased(kv, gate, pos)
     if attn.compressor is not None:
         pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
@@ -1009,6 +1023,9 @@ class Runner:
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
+        # the FP8 engine's decode step runs the compressors on a second stream (ENGINE_SIDE_STREAM=0: one stream)
+        self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and self.fp8 is not None and
+                                                          os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
         self.pool = None
         self.staging, self.pinned = {}, {}
         self.parity = 0  # host buffers alternate between steps, so one step can be staged while one is in flight
@@ -1063,29 +1080,43 @@ class Runner:
         key = ("window", attn.window)
         if key not in wrope:  # the window-cache row of each sequence's new key
             wrope[key] = slots * attn.window + pos % attn.window
+        # the compressors' steps (their linears' GEMM, outside the FP8 group, and the compress kernels) first: on
+        # the side stream where there is one, while this one projects q and kv (joined before the indexer reads
+        # their output or its head weights); else in this stream (the same values: no data runs between them)
+        gemms = getattr(attn, "input_gemms", None)
+        side = self.side if attn.compressor is not None else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(h.device))
+        with torch.cuda.stream(side):
+            ins = gemms(h, hq, fp8=False) if gemms is not None else {}
+            if attn.compressor is not None:
+                table = tabs[c.kind[li]]
+                ins["ckv"], ins["cgate"] = comp_inputs(attn.compressor, "c", h, ins)
+                count = self._compress_step(li, attn.compressor, "", ins["ckv"][0], ins["cgate"][0], pos, slots,
+                                            table, c.entries[li], wrope)
+                if attn.indexer is not None:
+                    ins["ikv"], ins["igate"] = comp_inputs(attn.indexer.compressor, "i", h, ins)
+                    self._compress_step(li, attn.indexer.compressor, "i", ins["ikv"][0], ins["igate"][0], pos, slots,
+                                        table, c.ikeys[li], wrope)
+        ins.update(gemms(h, hq, fp8=True) if gemms is not None else {})
+        join = None if side is None else (lambda: torch.cuda.current_stream(h.device).wait_stream(side))
         pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]),
-                         hq=hq)
+                         hq=hq, ins=ins, join=join)
         q = pr["q"][0]
         unrope = tables[attn.rope_kind]  # the kernel rotates its output back (project_out's inverse RoPE)
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, unrope=unrope)
+        elif attn.indexer is None:
+            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
+                                   count=count, unrope=unrope)
         else:
-            table = tabs[c.kind[li]]
-            count = self._compress_step(li, attn.compressor, "", pr["ckv"][0], pr["cgate"][0], pos, slots, table,
-                                        c.entries[li], wrope)
-            if attn.indexer is None:
-                out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                       count=count, unrope=unrope)
-            else:
-                self._compress_step(li, attn.indexer.compressor, "i", pr["ikv"][0], pr["igate"][0], pos, slots, table,
-                                    c.ikeys[li], wrope)
-                S = table.shape[1] * c.BE
-                sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
-                sel = index_topk(sc, min(attn.indexer.topk, S), count)
-                if rec is not None:
-                    rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
-                out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                       sel=sel, count=count, unrope=unrope)  # (top-k lists a row's valid entries first)
+            S = table.shape[1] * c.BE
+            sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
+            sel = index_topk(sc, min(attn.indexer.topk, S), count)
+            if rec is not None:
+                rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
+            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
+                                   sel=sel, count=count, unrope=unrope)  # (top-k lists a row's valid entries first)
         return attn.project_out(out[None], None, None)
 
     def _decode_eager(self, inp):

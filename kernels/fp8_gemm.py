@@ -385,16 +385,23 @@ _RETIRED: list = []  # counters a larger request replaced: CUDA graphs captured 
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The split-K ticket counters of `device` (int32 zeros, >= n): each launch's last programs put theirs back
-    to 0, so launches in one stream share them. A request past the current size takes a larger buffer and keeps
-    the old one alive: a graph captured before still reads and resets that one, and freed, its memory would go
-    to other tensors whose bytes the graph's kernels would take for tickets."""
-    cnt = _COUNTERS.get(device)
+    """The split-K ticket counters of `device` and its current stream (int32 zeros, >= n): each launch's last
+    programs put theirs back to 0, so launches in one stream share them; kernels of two streams may run at once,
+    so each stream has its own. A request past the current size takes a larger buffer and keeps the old one
+    alive: a graph captured before still reads and resets that one, and freed, its memory would go to other
+    tensors whose bytes the graph's kernels would take for tickets."""
+    key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else (device, 0)
+    cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
         if cnt is not None:
             _RETIRED.append(cnt)
-        cnt = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        cnt = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return cnt
+
+
+def tickets_left(device: torch.device) -> int:
+    """The sum of |counter| over every stream's ticket counters of `device` (0 after every launch finished)."""
+    return sum(int(c.abs().sum()) for (d, _), c in _COUNTERS.items() if d == device)
 
 
 # fp8_linear takes the one-launch kernel (x quantized in each program) up to this many rows, act_quant + fp8_gemm

@@ -94,10 +94,10 @@ INTERPRETED = textwrap.dedent("""
                                  w2s[i:i + 1]) for i in range(2)], 1)
     assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, groups=2) - y2).abs().max() < 1e-4
     # K split over programs (one block a range), one launch per group pair too
-    from kernels.fp8_gemm import _COUNTERS
+    from kernels.fp8_gemm import tickets_left
     assert (fp8_gemm(xq, sx, wq, ws, torch.float32, blocks=(16, 32, 1)) - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
     assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, blocks=(16, 32, 1), groups=2) - y2).abs().max() < 1e-4
-    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    assert tickets_left(x.device) == 0
     # act_quant: 3 tiles a row (the program's 4-tile block masked past them); the scales exactly, the bytes where
     # the interpreter's fp8 cast rounds as torch's (see block_quant below)
     from kernels.fp8_gemm import act_quant
@@ -107,12 +107,12 @@ INTERPRETED = textwrap.dedent("""
     # the one-launch kernel quantizes in the kernel, as the act_quant kernel does (the interpreter's fp8 casts
     # differ from torch's, so the comparison is with the two-launch kernel path): K ranges added by the last
     # program of a tile (split > 1), or stored directly; several row tiles; two groups
-    from kernels.fp8_gemm import act_quant, fp8_linear_fused, _COUNTERS
+    from kernels.fp8_gemm import act_quant, fp8_linear_fused, tickets_left
     for xx_, blocks in ((x, (16, 64, 2)), (x, (64, 128, 1)), (torch.randn(40, 256, generator=g), (16, 32, 1))):
         want = fp8_gemm(*act_quant(xx_, torch.float8_e4m3fn), wq, ws, torch.float32)
         got = fp8_linear_fused(xx_, wq, ws, blocks=blocks)
         assert (got - want).abs().max() < 1e-5 * want.abs().max(), blocks
-    assert int(_COUNTERS[x.device].abs().sum()) == 0  # every ticket counter is back at 0
+    assert tickets_left(x.device) == 0  # every ticket counter is back at 0
     # unscaled (a plain weight, the BF16 input GEMMs' path): the same split and ordered sum, no quantization
     for blocks in ((16, 64, 1), (16, 32, 2)):
         assert (fp8_linear_fused(x, w, None, blocks=blocks) - x @ w.T).abs().max() < 1e-5 * (x @ w.T).abs().max()
@@ -172,7 +172,7 @@ INTERPRETED = textwrap.dedent("""
         want = km.fused_moe_ref(xs, ids_sh, wt, *w_, n_shared=1)
         got = km.fused_moe(xs, ids_sh, wt, *w_, n_shared=1, tiles=((64, 4, 3, 2), (64, 4, 3)))
         assert (got - want).abs().max() < 1e-4 * want.abs().max()
-    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    assert tickets_left(x.device) == 0
     # the GEMV kernels of a few tokens (K 256 over 2 blocks, 128 over 1; I 256), FP8 and plain weights, a shared
     # expert and slots on another rank, against the tiled kernels' result (x quantized by the act_quant kernel,
     # in the interpreter's fp8 casts as the GEMV kernels' own quantization)
@@ -210,7 +210,7 @@ INTERPRETED = textwrap.dedent("""
             cs = (torch.randn(B, 4, generator=g), torch.randn(B, 4, generator=g))
             b = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, merge=merge, unrope=cs, **kw)
             assert (b - unrope_ref(a, *cs)).abs().max() < 1e-5 and torch.equal(b[..., :-8], a[..., :-8]), splits
-    assert int(_COUNTERS[x.device].abs().sum()) == 0
+    assert tickets_left(x.device) == 0
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
@@ -447,5 +447,5 @@ def test_tickets_grow_without_freeing_the_old_counters():
         assert new.numel() >= 10_000 and ref() is not None and ref() is not new
         assert fp8_gemm.tickets(dev, 5) is new  # smaller requests take the current buffer
     finally:
-        fp8_gemm._COUNTERS.pop(dev, None)
+        fp8_gemm._COUNTERS.pop((dev, 0), None)
         fp8_gemm._RETIRED[:] = [t for t in fp8_gemm._RETIRED if t.device != dev]
