@@ -25,7 +25,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.fp8_gemm import (FUSED_ROWS, _fused_blocks, _gemm_blocks, act_quant, fp8_gemm,  # noqa: E402
-                               fp8_linear_fused, gemv, small_linear)
+                               fp8_linear_fused, gemv, scaled_mm, scaled_mm_ok, small_linear)
 from kernels.moe import _moe_gemv, _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -80,7 +80,11 @@ def linears(c: ModelConfig, batches, sweep: bool):
             xg = x.view(M, g, K)
             row = {"bf16 cuBLAS": graph_us([lambda t=t: torch.einsum("mgk,gnk->mgn", xg, t.view(g, N // g, K))
                                             if g > 1 else torch.nn.functional.linear(x, t) for t in wb])}
-            row["act_quant+gemm"] = graph_us([lambda t=t: fp8_gemm(*act_quant(x, f8), *t, groups=g) for t in q])
+            bl = _gemm_blocks(M, N // g, K, g)  # given: the Triton GEMM at every size
+            row["act_quant+gemm"] = graph_us([lambda t=t: fp8_gemm(*act_quant(x, f8), *t, groups=g, blocks=bl)
+                                              for t in q])
+            if g == 1 and scaled_mm_ok(x.device, f8):  # cuBLASLt's block recipe (fp8_gemm's from SCALED_MM_ROWS)
+                row["act_quant+_scaled_mm"] = graph_us([lambda t=t: scaled_mm(*act_quant(x, f8), *t) for t in q])
             row["fused"] = graph_us([lambda t=t: fp8_linear_fused(x, *t, groups=g) for t in q])
             if M <= 4:  # the GEMV kernel (default programs and warps; with --sweep, others)
                 row["gemv"] = graph_us([lambda t=t: gemv(x, *t, groups=g) for t in q])
@@ -107,15 +111,16 @@ def linears(c: ModelConfig, batches, sweep: bool):
             del q, wb
             torch.cuda.empty_cache()
             top = min((v, k) for k, v in row.items() if k.startswith(("fused", "gemv")))[1]
-            best[(M, name)] = (top, row[top], row["bf16 cuBLAS"], row["act_quant+gemm"], row["fused"])
+            best[(M, name)] = (top, row[top], row["bf16 cuBLAS"], row["act_quant+gemm"], row["fused"],
+                               row.get("act_quant+_scaled_mm", float("nan")))
             cells = "  ".join(f"{k} {v:.1f}" for k, v in row.items())
             print(f"M {M:4d} {name:10s} N {N:5d} K {K:5d} G {g}  us/call  {cells}", flush=True)
     print("\nsummary, us per call (FP8 weight GB/s):")
-    for (M, name), (top, t, tb, t2, tf) in best.items():
+    for (M, name), (top, t, tb, t2, tf, ts) in best.items():
         N, K, g = shapes[name]
         print(f"M {M:4d} {name:10s} cuBLAS bf16 {tb:5.1f} ({2 * N * K / tb / 1e3:4.0f})  act_quant+gemm {t2:5.1f}"
-              f" ({N * K / t2 / 1e3:4.0f})  fused default {tf:5.1f} ({N * K / tf / 1e3:4.0f})  best {top} {t:5.1f}"
-              f" ({N * K / t / 1e3:4.0f})", flush=True)
+              f" ({N * K / t2 / 1e3:4.0f})  act_quant+_scaled_mm {ts:5.1f} ({N * K / ts / 1e3:4.0f})  fused default"
+              f" {tf:5.1f} ({N * K / tf / 1e3:4.0f})  best {top} {t:5.1f} ({N * K / t / 1e3:4.0f})", flush=True)
 
 
 def bf16_inputs(c: ModelConfig, batches):

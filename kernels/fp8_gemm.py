@@ -215,6 +215,51 @@ def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
     return 64, (128 if programs > 256 else 64), ks
 
 
+# torch._scaled_mm takes DeepSeek's recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales) through
+# cuBLASLt (CUDA 12.9+, sm90). fp8_gemm calls it from this many rows (prefill; None: never). Not yet measured
+# against the Triton GEMM: bench/fp8_linear.py's "_scaled_mm" column is the measurement that sets it.
+SCALED_MM_ROWS: int | None = 512
+_SCALED_MM: dict = {}
+
+
+def scaled_mm(xq, sx, wq, sw, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """fp8_gemm's product (one group) through torch._scaled_mm: A = xq (M, K) with sx column-major, B = wq^T
+    (column-major), its scales sw^T; M padded to a multiple of 4 (cuBLASLt's rule for these scales), the padding
+    rows' scales 0."""
+    M, K = xq.shape
+    Mp = M + (-M % 4)
+    a, sa = xq.contiguous(), torch.zeros(K // BLOCK, Mp, dtype=torch.float32, device=xq.device).t()
+    sa[:M] = sx
+    if Mp != M:
+        a = torch.zeros(Mp, K, dtype=xq.dtype, device=xq.device)
+        a[:M] = xq
+    return torch._scaled_mm(a, wq.t(), scale_a=sa, scale_b=sw.t(), out_dtype=out_dtype)[:M]
+
+
+def scaled_mm_ok(device: torch.device, fp8: torch.dtype) -> bool:
+    """Whether torch._scaled_mm takes the block recipe on this device and dtype: probed once (not while a CUDA graph
+    is being captured) with a 4 x 512 x 256 product against fp8_gemm_ref (a misread layout or scale is off by about
+    100%; the probe allows 5%)."""
+    key = (device, fp8)
+    if key not in _SCALED_MM:
+        if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+            _SCALED_MM[key] = False
+        elif torch.cuda.is_current_stream_capturing():
+            return False
+        else:
+            g = torch.Generator(device).manual_seed(0)
+            x = torch.randn(4, 512, device=device, generator=g)
+            wq, sw = block_quant(torch.randn(256, 512, device=device, generator=g) * 0.05, fp8)
+            xq, sx = act_quant_ref(x, fp8)
+            try:
+                want = fp8_gemm_ref(xq, sx, wq, sw)
+                _SCALED_MM[key] = bool(((scaled_mm(xq, sx, wq, sw, torch.float32) - want).norm()
+                                        <= 5e-2 * want.norm()).item())
+            except (RuntimeError, NotImplementedError, ValueError):  # no such recipe in this torch / cuBLAS / GPU
+                _SCALED_MM[key] = False
+    return _SCALED_MM[key]
+
+
 def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int = 1) -> torch.Tensor:
     """xq (M, G*K) fp8, sx (M, G*K/128); wq (G*N, K) fp8, sw (ceil(G*N/128), K/128) -> (M, G*N): with groups G > 1
     the block-diagonal product (group g: x's g-th K columns times the g-th N weight rows; N % 128 == 0).
@@ -231,6 +276,9 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
         return torch.cat([fp8_gemm_ref(xq[:, g * K:(g + 1) * K], sx[:, g * (K // BLOCK):(g + 1) * (K // BLOCK)],
                                        wq[g * N:(g + 1) * N], sw[g * r:(g + 1) * r] if groups > 1 else sw, out_dtype)
                           for g in range(groups)], 1)
+    if (blocks is None and groups == 1 and SCALED_MM_ROWS is not None and M >= SCALED_MM_ROWS and N % BLOCK == 0
+            and K // BLOCK % 4 == 0 and scaled_mm_ok(xq.device, wq.dtype)):
+        return scaled_mm(xq, sx, wq, sw, out_dtype)
     # pipeline depth: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3 faster at 256)
     return fp8_linear_fused(xq, wq, sw, groups, blocks or _gemm_blocks(M, N, K, groups), sx=sx, out_dtype=out_dtype,
                             stages=5 if M <= 64 else 3)
