@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each bounded in time, logs under $OUT (default bench/out). Parts by name:
-#   bash bench/gpu_suite.sh tests rollout train sync grpo
+#   bash bench/gpu_suite.sh tests linears rollout train sync grpo
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -11,6 +11,9 @@ for part in "$@"; do
     tests)
       timeout 585 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
       tail -3 "$OUT/gpu_tests.log" ;;
+    linears)
+      timeout 300 python3 bench/fp8_linear.py --batches 1,16,64,256,512,2048,8192 > "$OUT/linears.log" 2>&1
+      grep -A40 "^summary" "$OUT/linears.log" ;;
     rollout)
       timeout 300 python3 bench/rollout.py --gen-len 256 --bf16-batches 64 --long-gen 32 --hf-tokens 8 \
         --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
