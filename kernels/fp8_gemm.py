@@ -216,9 +216,11 @@ def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
 
 
 # torch._scaled_mm takes DeepSeek's recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales) through
-# cuBLASLt (CUDA 12.9+, sm90). fp8_gemm calls it from this many rows (prefill; None: never). Not yet measured
-# against the Triton GEMM: bench/fp8_linear.py's "_scaled_mm" column is the measurement that sets it.
-SCALED_MM_ROWS: int | None = 512
+# cuBLASLt (CUDA 12.9+, sm90). fp8_gemm calls it from this many rows (prefill; None: never). bench/fp8_linear.py,
+# H200, us per call (act_quant included) Triton / _scaled_mm: 2048 rows wq_a+wkv 26.5 / 18.8, wq_b 47.0 / 32.7,
+# wo_b 40.7 / 26.0; at 512 rows mixed (wq_b 14.1 / 13.0, wq_a+wkv 9.9 / 14.7); up to 256 rows the Triton GEMM
+# by 1.3-3x (cuBLASLt's ~9 us floor).
+SCALED_MM_ROWS: int | None = 2048
 _SCALED_MM: dict = {}
 
 

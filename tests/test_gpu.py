@@ -64,7 +64,7 @@ def test_fp8_gemm(M, N, K):
     assert tickets_left(x.device) == 0
 
 
-@pytest.mark.parametrize("M", [1, 5, 300, 512, 1030])
+@pytest.mark.parametrize("M", [1, 5, 300, 1030, 2050])
 @pytest.mark.parametrize("N,K", [(2048, 2048), (8192, 512), (512, 2048)])
 def test_scaled_mm(M, N, K):
     """torch._scaled_mm's block recipe (fp8_gemm's path from SCALED_MM_ROWS rows where the probe finds it) against
