@@ -523,32 +523,21 @@ def comp_inputs(c, key: str, h, ins: dict):
     return kv, (ins[key + "gate"] if key + "gate" in ins else c.wgate(h))
 
 
-def projections(attn, h, pos, tables, raw: bool = False, store=None, hq=None, ins=None, join=None):
-    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D). raw: the
-    compressors' kv / gate and the indexer's q / head weights as their linears give them (no fp32 copies, no
-    position bias or weight scale: the decode step's kernels apply them). store: where the kv rows also go
-    (Attention.project_kv). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it the q norm
-    also quantizes its rows for wq_b and the indexer's (Attention.project_q's fp8). ins: the input GEMMs'
-    outputs where the caller ran them (else this runs them). join: called after q and kv, before anything reads
-    the compressors' or the indexer's inputs (the decode step's side stream, which computes them)."""
+def projections(attn, h, pos, tables, hq=None):
+    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D) (prefill; the decode
+    step orders its own across two streams). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it
+    the q norm also quantizes its rows for wq_b and the indexer's."""
     cos, sin = tables[attn.rope_kind]
-    if ins is None:
-        ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
-    if hq is None:
-        (q, q_res), qq = attn.project_q(h, cos, sin, ins.get("wq_a")), None
-    else:
-        q, q_res, qq = attn.project_q(h, cos, sin, ins.get("wq_a"), fp8=hq[0].dtype)
-    pr = {"q": q, "kv": attn.project_kv(h, cos, sin, ins.get("wkv"), store)[0]}
-    if join is not None:
-        join()
+    ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
+    q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
+    pr = {"q": attn.q_heads(q_res, cos, sin, qq), "kv": attn.project_kv(h, cos, sin, ins.get("wkv"))[0]}
 
     def comp(c, key):
-        kv, gate = comp_inputs(c, key, h, ins)
-        return (kv, gate) if raw else c.biased(kv, gate, pos)
+        return c.biased(*comp_inputs(c, key, h, ins), pos)
     if attn.compressor is not None:
         pr["ckv"], pr["cgate"] = comp(attn.compressor, "c")
     if attn.indexer is not None:
-        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw, qq)
+        pr["iq"], pr["iw"] = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), qq=qq)
         pr["ikv"], pr["igate"] = comp(attn.indexer.compressor, "i")
     return pr
 
@@ -1080,43 +1069,50 @@ class Runner:
         key = ("window", attn.window)
         if key not in wrope:  # the window-cache row of each sequence's new key
             wrope[key] = slots * attn.window + pos % attn.window
-        # the compressors' steps (their linears' GEMM, outside the FP8 group, and the compress kernels) first: on
-        # the side stream where there is one, while this one projects q and kv (joined before the indexer reads
-        # their output or its head weights); else in this stream (the same values: no data runs between them)
+        # Two chains where the FP8 engine has its side stream (a compressed-attention layer): there, the compressors'
+        # input GEMM (BF16, outside the FP8 group) and compress kernels, then (after the q norm) the indexer's query,
+        # scores and top-k; here, the FP8 input GEMM, q and kv. Joined before the attention reads the compressed
+        # entries. One stream (CPU, BF16, ENGINE_SIDE_STREAM=0): the same kernels in that order, the same values.
         gemms = getattr(attn, "input_gemms", None)
         side = self.side if attn.compressor is not None else None
+        here = torch.cuda.current_stream(h.device) if side is not None else None
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(h.device))
+            side.wait_stream(here)
         with torch.cuda.stream(side):
             ins = gemms(h, hq, fp8=False) if gemms is not None else {}
             if attn.compressor is not None:
                 table = tabs[c.kind[li]]
-                ins["ckv"], ins["cgate"] = comp_inputs(attn.compressor, "c", h, ins)
-                count = self._compress_step(li, attn.compressor, "", ins["ckv"][0], ins["cgate"][0], pos, slots,
-                                            table, c.entries[li], wrope)
+                kv, gate = comp_inputs(attn.compressor, "c", h, ins)
+                count = self._compress_step(li, attn.compressor, "", kv[0], gate[0], pos, slots, table, c.entries[li],
+                                            wrope)
                 if attn.indexer is not None:
-                    ins["ikv"], ins["igate"] = comp_inputs(attn.indexer.compressor, "i", h, ins)
-                    self._compress_step(li, attn.indexer.compressor, "i", ins["ikv"][0], ins["igate"][0], pos, slots,
-                                        table, c.ikeys[li], wrope)
+                    kv, gate = comp_inputs(attn.indexer.compressor, "i", h, ins)
+                    self._compress_step(li, attn.indexer.compressor, "i", kv[0], gate[0], pos, slots, table,
+                                        c.ikeys[li], wrope)
         ins.update(gemms(h, hq, fp8=True) if gemms is not None else {})
-        join = None if side is None else (lambda: torch.cuda.current_stream(h.device).wait_stream(side))
-        pr = projections(attn, h, pos, tables, raw=True, store=(c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]),
-                         hq=hq, ins=ins, join=join)
-        q = pr["q"][0]
+        cos, sin = tables[attn.rope_kind]
+        q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
+        sel = None
+        if attn.indexer is not None:
+            if side is not None:
+                side.wait_stream(here)
+            with torch.cuda.stream(side):
+                iq, iw = attn.indexer.query(h, q_res, *tables["compress"], ins.get("iw"), raw=True, qq=qq)
+                S = table.shape[1] * c.BE
+                sc = index_scores(iq[0], iw[0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
+                sel = index_topk(sc, min(attn.indexer.topk, S), count)
+                if rec is not None:
+                    rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
+        q = attn.q_heads(q_res, cos, sin, qq)[0]
+        attn.project_kv(h, cos, sin, ins.get("wkv"), (c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
+        if side is not None:
+            here.wait_stream(side)
         unrope = tables[attn.rope_kind]  # the kernel rotates its output back (project_out's inverse RoPE)
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, unrope=unrope)
-        elif attn.indexer is None:
+        else:  # (top-k lists a row's valid entries first)
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                   count=count, unrope=unrope)
-        else:
-            S = table.shape[1] * c.BE
-            sc = index_scores(pr["iq"][0], pr["iw"][0], c.ikeys[li], table, count, S, attn.indexer.w_scale)
-            sel = index_topk(sc, min(attn.indexer.topk, S), count)
-            if rec is not None:
-                rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
-            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                   sel=sel, count=count, unrope=unrope)  # (top-k lists a row's valid entries first)
+                                   sel=sel, count=count, unrope=unrope)
         return attn.project_out(out[None], None, None)
 
     def _decode_eager(self, inp):

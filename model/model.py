@@ -249,7 +249,7 @@ class Indexer(nn.Module):
     def query(self, x, q_res, cos, sin, w=None, raw: bool = False, qq=None):
         """-> q (B, T, h, d) fp32 with RoPE, head weights (B, T, h) fp32. w: weights_proj(x) where the caller
         has it. raw: q and w in the linears' dtype and w not yet scaled by w_scale (the rollout engine's
-        index_scores kernel converts and scales them as it reads them). qq: q_res quantized (project_q's), for
+        index_scores kernel converts and scales them as it reads them). qq: q_res quantized (q_lora's), for
         the FP8 engine's wq_b."""
         B, T, _ = x.shape
         q = self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
@@ -430,25 +430,31 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, cfg.hca_ratio, cfg.head_dim, overlap=False)
 
     # pieces shared with the rollout engine's incremental path
-    def project_q(self, x, cos, sin, a=None, fp8=None):
-        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too).
-        a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x).
-        fp8 (the FP8 engine's dtype, its wq_b an FP8 holder): the norm's kernel also quantizes q_res's rows for
-        wq_b (no act_quant launch); returns (q, q_res, q_res quantized (q, scales) or None) for the indexer."""
-        B, T, _ = x.shape
+    def project_q(self, x, cos, sin):
+        """x (B, T, D) -> q (B, T, H, d) roped, q_res (B, T, q_lora) (the indexer reads it too)."""
+        q_res = self.q_lora(x)[0]
+        return self.q_heads(q_res, cos, sin), q_res
+
+    def q_lora(self, x, a=None, fp8=None):
+        """x (B, T, D) -> q_res (B, T, q_lora) normed, and its rows quantized per 1x128 tile (q, scales) or None.
+        a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x). fp8 (the
+        FP8 engine's dtype, its wq_b an FP8 holder): the norm's kernel also quantizes the rows, for wq_b and the
+        indexer's (no act_quant launch; None where the kernel does not run)."""
         a = self.wq_a(x) if a is None else a
-        qq = None
         if fp8 is not None and fused_ok(a):
-            q_res, qq = fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
-        else:
-            q_res = self.q_norm(a)
+            return fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
+        return self.q_norm(a), None
+
+    def q_heads(self, q_res, cos, sin, qq=None):
+        """q_res (B, T, q_lora) -> q (B, T, H, d): wq_b (qq: q_res quantized, q_lora's), the per-head norm, RoPE."""
+        B, T, _ = q_res.shape
         q = self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         # inference: the per-head norm and the rotation in one kernel (None where it declines the broadcast)
         y = fused.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin) if fused_ok(q) else None
         if y is None:
             y = apply_rope(rms_unweighted(q, self.cfg.rms_norm_eps), cos, sin)
-        return (y, q_res) if fp8 is None else (y, q_res, qq)
+        return y
 
     def project_kv(self, x, cos, sin, kv=None, store=None):
         """x (B, T, D) -> kv (B, T, d) roped: the one shared K == V head. kv: wkv(x) where the caller has it.

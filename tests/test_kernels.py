@@ -279,7 +279,7 @@ INTERPRETED = textwrap.dedent("""
     assert fused.hc_pre(xs[..., :96], fn[:, :384], base, sc, 3, 1e-6, 1e-6, (nw[:96], 1e-6), None,
                         torch.float8_e4m3fn)[3] is None
     assert hc_pre(xs.float(), fn, base, sc, 3, 1e-6, 1e-6, None, None, torch.float8_e4m3fn)[3] is None
-    # the q norm's kernel quantizing its rows for wq_b (Attention.project_q's fp8): act_quant's bytes, the norm
+    # the q norm's kernel quantizing its rows for wq_b (Attention.q_lora's fp8): act_quant's bytes, the norm
     # rms_norm's; strided rows (a column slice of the input GEMM), D 384 in a 512 block; D % 128: none
     a = torch.randn(3, 640, generator=g).bfloat16()[:, 128:512]
     y, (q, s) = fused.rms_norm_quant(a, nw.float(), 1e-6, torch.float8_e4m3fn)
