@@ -83,7 +83,7 @@ def linears(c: ModelConfig, batches, sweep: bool):
             bl = _gemm_blocks(M, N // g, K, g)  # given: the Triton GEMM at every size
             row["act_quant+gemm"] = graph_us([lambda t=t: fp8_gemm(*act_quant(x, f8), *t, groups=g, blocks=bl)
                                               for t in q])
-            if g == 1 and scaled_mm_ok(x.device, f8):  # cuBLASLt's block recipe (fp8_gemm's from SCALED_MM_ROWS)
+            if g == 1 and scaled_mm_ok(x.device, f8):  # cuBLASLt's block recipe (fp8_gemm's where scaled_mm_takes)
                 row["act_quant+_scaled_mm"] = graph_us([lambda t=t: scaled_mm(*act_quant(x, f8), *t) for t in q])
             row["fused"] = graph_us([lambda t=t: fp8_linear_fused(x, *t, groups=g) for t in q])
             if M <= 4:  # the GEMV kernel (default programs and warps; with --sweep, others)

@@ -216,11 +216,14 @@ def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
 
 
 # torch._scaled_mm takes DeepSeek's recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales) through
-# cuBLASLt (CUDA 12.9+, sm90). fp8_gemm calls it from this many rows (prefill; None: never). bench/fp8_linear.py,
-# H200, us per call (act_quant included) Triton / _scaled_mm: 2048 rows wq_a+wkv 26.5 / 18.8, wq_b 47.0 / 32.7,
-# wo_b 40.7 / 26.0; at 512 rows mixed (wq_b 14.1 / 13.0, wq_a+wkv 9.9 / 14.7); up to 256 rows the Triton GEMM
-# by 1.3-3x (cuBLASLt's ~9 us floor).
-SCALED_MM_ROWS: int | None = 2048
+# cuBLASLt (CUDA 12.9+, sm90). fp8_gemm calls it from SCALED_MM_ROWS rows where the output has SCALED_MM_ELEMS
+# elements or more (prefill; None: never). bench/fp8_linear.py, H200, us a call (act_quant included), Triton /
+# _scaled_mm: 1024 rows wq_a+wkv (N 1024) 13.0 / 16.1, wq_b (N 8192) 25.2 / 21.2, index wq_b (N 4096) 14.2 /
+# 13.5, wo_b (N 2048) 23.6 / 16.3; 1536 rows 17.5 / 17.3, 35.7 / 26.7, 19.7 / 19.2, 29.7 / 24.0; 2048 rows 26.5 /
+# 18.8, 47.0 / 32.7, 26.0 / 22.7, 40.7 / 26.0; at 512 rows mixed (wq_b 14.1 / 13.0, index wq_b 9.1 / 10.4); up to
+# 256 rows the Triton GEMM by 1.3-3x (cuBLASLt's ~9 us floor).
+SCALED_MM_ROWS: int | None = 1024
+SCALED_MM_ELEMS = 1 << 21
 _SCALED_MM: dict = {}
 
 
@@ -236,6 +239,13 @@ def scaled_mm(xq, sx, wq, sw, out_dtype=torch.bfloat16) -> torch.Tensor:
         a = torch.zeros(Mp, K, dtype=xq.dtype, device=xq.device)
         a[:M] = xq
     return torch._scaled_mm(a, wq.t(), scale_a=sa, scale_b=sw.t(), out_dtype=out_dtype)[:M]
+
+
+def scaled_mm_takes(M: int, N: int, K: int, groups: int) -> bool:
+    """Whether fp8_gemm gives an (M, K) x (N, K)^T product to torch._scaled_mm (where scaled_mm_ok): one group, N
+    a whole number of 128-blocks, K of four (cuBLASLt's layout), and past the thresholds above."""
+    return (groups == 1 and SCALED_MM_ROWS is not None and M >= SCALED_MM_ROWS and M * N >= SCALED_MM_ELEMS
+            and N % BLOCK == 0 and K // BLOCK % 4 == 0)
 
 
 def scaled_mm_ok(device: torch.device, fp8: torch.dtype) -> bool:
@@ -278,8 +288,7 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
         return torch.cat([fp8_gemm_ref(xq[:, g * K:(g + 1) * K], sx[:, g * (K // BLOCK):(g + 1) * (K // BLOCK)],
                                        wq[g * N:(g + 1) * N], sw[g * r:(g + 1) * r] if groups > 1 else sw, out_dtype)
                           for g in range(groups)], 1)
-    if (blocks is None and groups == 1 and SCALED_MM_ROWS is not None and M >= SCALED_MM_ROWS and N % BLOCK == 0
-            and K // BLOCK % 4 == 0 and scaled_mm_ok(xq.device, wq.dtype)):
+    if blocks is None and scaled_mm_takes(M, N, K, groups) and scaled_mm_ok(xq.device, wq.dtype):
         return scaled_mm(xq, sx, wq, sw, out_dtype)
     # pipeline depth: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3 faster at 256)
     return fp8_linear_fused(xq, wq, sw, groups, blocks or _gemm_blocks(M, N, K, groups), sx=sx, out_dtype=out_dtype,

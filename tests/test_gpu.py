@@ -67,10 +67,10 @@ def test_fp8_gemm(M, N, K):
 @pytest.mark.parametrize("M", [1, 5, 300, 1030, 2050])
 @pytest.mark.parametrize("N,K", [(2048, 2048), (8192, 512), (512, 2048)])
 def test_scaled_mm(M, N, K):
-    """torch._scaled_mm's block recipe (fp8_gemm's path from SCALED_MM_ROWS rows where the probe finds it) against
+    """torch._scaled_mm's block recipe (fp8_gemm's path where scaled_mm_takes and the probe finds it) against
     the reference and the Triton GEMM, rows not a multiple of 4 included (a misread layout or scale is off by
     about 100%)."""
-    from kernels.fp8_gemm import SCALED_MM_ROWS, _gemm_blocks, scaled_mm, scaled_mm_ok
+    from kernels.fp8_gemm import _gemm_blocks, scaled_mm, scaled_mm_ok, scaled_mm_takes
     f8 = fp8_dtype("cuda")
     if not scaled_mm_ok(torch.device("cuda", torch.cuda.current_device()), f8):
         pytest.skip("torch._scaled_mm has no block-scaled recipe on this GPU / build")
@@ -82,7 +82,7 @@ def test_scaled_mm(M, N, K):
     triton_ = fp8_gemm(xq, sx, wq, ws, torch.float32, blocks=_gemm_blocks(M, N, K, 1))  # blocks: the Triton GEMM
     assert got.shape == (M, N) and rel(got, want) < 1e-2 and rel(got, triton_) < 1e-2, (rel(got, want),
                                                                                        rel(triton_, want))
-    if SCALED_MM_ROWS is not None and M >= SCALED_MM_ROWS:  # fp8_gemm's own choice, in BF16 too
+    if scaled_mm_takes(M, N, K, 1):  # fp8_gemm's own choice, in BF16 too
         assert torch.equal(fp8_gemm(xq, sx, wq, ws, torch.float32), got)
         assert torch.equal(fp8_gemm(xq, sx, wq, ws), scaled_mm(xq, sx, wq, ws))
 
