@@ -1012,8 +1012,8 @@ class Runner:
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
-        # the FP8 engine's decode step runs the compressors on a second stream (ENGINE_SIDE_STREAM=0: one stream)
-        self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and self.fp8 is not None and
+        # the decode step runs the compressors and the indexer on a second stream (ENGINE_SIDE_STREAM=0: one stream)
+        self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and
                                                           os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
         self.pool = None
         self.staging, self.pinned = {}, {}
@@ -1069,17 +1069,21 @@ class Runner:
         key = ("window", attn.window)
         if key not in wrope:  # the window-cache row of each sequence's new key
             wrope[key] = slots * attn.window + pos % attn.window
-        # Two chains where the FP8 engine has its side stream (a compressed-attention layer): there, the compressors'
-        # input GEMM (BF16, outside the FP8 group) and compress kernels, then (after the q norm) the indexer's query,
+        # Two chains where there is a side stream (a compressed-attention layer on a GPU): there, the compressors'
+        # steps (in the FP8 engine also their BF16 input GEMM, outside the FP8 group; the BF16 engine's one input
+        # GEMM holds q's and kv's linears too and runs here first), then (after the q norm) the indexer's query,
         # scores and top-k; here, the FP8 input GEMM, q and kv. Joined before the attention reads the compressed
-        # entries. One stream (CPU, BF16, ENGINE_SIDE_STREAM=0): the same kernels in that order, the same values.
+        # entries. One stream (CPU, ENGINE_SIDE_STREAM=0): the same kernels in that order, the same values.
         gemms = getattr(attn, "input_gemms", None)
+        split = gemms is not None and self.fp8 is not None  # the FP8 engine: a BF16 and an FP8 GEMM group
+        ins = gemms(h, hq) if gemms is not None and not split else {}
         side = self.side if attn.compressor is not None else None
         here = torch.cuda.current_stream(h.device) if side is not None else None
         if side is not None:
             side.wait_stream(here)
         with torch.cuda.stream(side):
-            ins = gemms(h, hq, fp8=False) if gemms is not None else {}
+            if split:
+                ins = gemms(h, hq, fp8=False)
             if attn.compressor is not None:
                 table = tabs[c.kind[li]]
                 kv, gate = comp_inputs(attn.compressor, "c", h, ins)
@@ -1089,7 +1093,8 @@ class Runner:
                     kv, gate = comp_inputs(attn.indexer.compressor, "i", h, ins)
                     self._compress_step(li, attn.indexer.compressor, "i", kv[0], gate[0], pos, slots, table,
                                         c.ikeys[li], wrope)
-        ins.update(gemms(h, hq, fp8=True) if gemms is not None else {})
+        if split:
+            ins.update(gemms(h, hq, fp8=True))
         cos, sin = tables[attn.rope_kind]
         q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
         sel = None
