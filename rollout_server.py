@@ -524,9 +524,9 @@ def comp_inputs(c, key: str, h, ins: dict):
 
 
 def projections(attn, h, pos, tables, hq=None):
-    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D) (prefill; the decode
-    step orders its own across two streams). hq: h's rows quantized (run_layers'), for the FP8 input GEMM; with it
-    the q norm also quantizes its rows for wq_b and the indexer's."""
+    """The per-token projections one layer's attention needs, for packed tokens h (1, N, D) (prefill and the simple
+    engine; the decode step orders its own across two streams). hq: h's rows quantized (run_layers'), for the FP8
+    input GEMM; with it the q norm also quantizes its rows for wq_b and the indexer's."""
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
     q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
@@ -1112,7 +1112,7 @@ class Runner:
         attn.project_kv(h, cos, sin, ins.get("wkv"), (c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
         if side is not None:
             here.wait_stream(side)
-        unrope = tables[attn.rope_kind]  # the kernel rotates its output back (project_out's inverse RoPE)
+        unrope = (cos, sin)  # the kernel rotates its output back (project_out's inverse RoPE)
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, unrope=unrope)
         else:  # (top-k lists a row's valid entries first)
