@@ -471,27 +471,34 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp8=None):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp8=None, side=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
     tables, hq) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are)
     of the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
     mHC's mix partials (hc_post_mix). fp8: the FP8 engine's dtype: past GEMV_ROWS tokens (the GEMV kernels
     quantize their rows themselves) the mHC pre kernels also give their rows quantized, hq (or None), for the
-    attention's FP8 input GEMM and the experts, instead of an act_quant launch each."""
+    attention's FP8 input GEMM and the experts, instead of an act_quant launch each. side (a CUDA stream): each
+    mHC pre makes its post and comb there, beside the sublayer; joined before its mHC post."""
     tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
     x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
     fp8 = fp8 if ids.numel() > GEMV_ROWS else None
 
     def hc(blk, site, x, part):  # -> (h, post, comb, hq)
-        return blk.hc(site, x, part, fp8) if fp8 is not None else (*blk.hc(site, x, part), None)
+        out = blk.hc(site, x, part, fp8, side)
+        return out if fp8 is not None else (*out, None)
+
+    def post_mix(y, x, post, comb, fn):
+        if side is not None:
+            torch.cuda.current_stream(y.device).wait_stream(side)
+        return hc_post_mix(y, x, post, comb, fn)
     routing, part = [], None
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
-        x, part = hc_post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
+        x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
         y, idx = blk.ffn(h, ids[None], xq=hq)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
-        x, part = hc_post_mix(y, x, post, comb, nxt)
+        x, part = post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])
     x = x[0]
     if last is not None:
@@ -1136,7 +1143,7 @@ class Runner:
 
         def attention(li, attn, h, tables, hq=None):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec)
-        logits, routing = run_layers(self.model, ids, pos, attention, fp8=self.fp8)
+        logits, routing = run_layers(self.model, ids, pos, attention, fp8=self.fp8, side=self.side)
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)

@@ -94,16 +94,18 @@ if triton is not None:
     def _hc_pre_kernel(X, PART, BASE, SCALE, NW, COLL, POST, COMB, Q, S, eps, norm_eps, rms_eps, fmax,
                        ITERS: tl.constexpr, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
                        MIXP: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD: tl.constexpr,
-                       NORM: tl.constexpr, SB: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                       NORM: tl.constexpr, SB: tl.constexpr, QUANT: tl.constexpr = False, ROLE: tl.constexpr = 0,
+                       PDL: tl.constexpr = False):
         """Program (token t, role). Both roles sum the SPLIT partials of _hc_mix_kernel (x @ fn^T, and the sum of
         squares of x in column MIXP - 1) and scale them by the streams' rsqrt-mean-square. Role 0: pre and the
         pre-weighted collapse of the streams, RMS-normed with weight NW (eps rms_eps) when NORM. Role 1: post and
         the Sinkhorn-projected comb, so the Sinkhorn chain runs beside the collapse. HEAD: the head's collapse
-        (N_HC pre weights, one scale, no role 1). QUANT (NORM, D <= BLOCK, D % 128 == 0): role 0 also stores the
-        normed row quantized per 1x128 tile in Q (fp8) and S (scales), act_quant's arithmetic on the stored
-        (rounded) row, so the FP8 linears and experts that read it skip their act_quant."""
+        (N_HC pre weights, one scale, no role 1). ROLE: the first program's role (1: a launch of role 1 alone).
+        QUANT (NORM, D <= BLOCK, D % 128 == 0): role 0 also stores the normed row quantized per 1x128 tile in Q
+        (fp8) and S (scales), act_quant's arithmetic on the stored (rounded) row, so the FP8 linears and experts
+        that read it skip their act_quant."""
         pdl_wait(PDL)
-        t, role = tl.program_id(0), tl.program_id(1)
+        t, role = tl.program_id(0), tl.program_id(1) + ROLE
         MIX: tl.constexpr = N_HC if HEAD else (2 + N_HC) * N_HC
         rm = tl.arange(0, MIXP)
         raw = _sum_partials(PART, t, SPLIT, MIXP, SB)
@@ -394,7 +396,8 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
     return w, ids
 
 
-def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool, part, fp8=None):
+def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm, head: bool, part, fp8=None,
+               side=None):
     *lead, n, D = x.shape
     xf = x.reshape(-1, n * D).contiguous()
     N = xf.shape[0]
@@ -414,23 +417,30 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
         # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4).
         # Warps: 4 up to 64 tokens, 2 past (us a call at 1 / 16 / 64 / 256 tokens: 4 warps 3.53 / 3.81 / 4.30 /
         # 7.31, 2 warps 3.55 / 3.83 / 4.33 / 5.46, 1 and 8 slower)
-        _hc_pre_kernel[(N, 1 if head else 2)](xf, part, base.float().contiguous(), scale.float().contiguous(), nw,
-                                              coll, post, comb, q, s, eps, norm_eps, neps,
-                                              fp8_max(fp8) if quant else 1.0, ITERS=iters, N_HC=n, D=D,
-                                              NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
-                                              HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])),
-                                              QUANT=quant, num_warps=4 if N <= 64 else 2, **pdl(xf))
+        args = (xf, part, base.float().contiguous(), scale.float().contiguous(), nw, coll, post, comb, q, s, eps,
+                norm_eps, neps, fp8_max(fp8) if quant else 1.0)
+        meta = dict(ITERS=iters, N_HC=n, D=D, NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
+                    HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])), QUANT=quant,
+                    num_warps=4 if N <= 64 else 2, **pdl(xf))
+        if side is None or head:
+            _hc_pre_kernel[(N, 1 if head else 2)](*args, **meta)
+        else:  # role 1 (post, comb: the Sinkhorn chain, the longer) on the side stream, off the collapse's path
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            _hc_pre_kernel[(N, 1)](*args, **meta)
+            with torch.cuda.stream(side):
+                _hc_pre_kernel[(N, 1)](*args, ROLE=1, **meta)
     xq = (q, s) if quant else None
     return coll.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n), xq
 
 
-def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None, part=None, fp8=None):
+def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=None, part=None, fp8=None, side=None):
     """x (..., n, D) -> collapsed (..., D) x.dtype, post (..., n) fp32, comb (..., n, n) fp32. norm: (weight, eps)
     of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics). part: x's mix
     partials as hc_post(..., fn) gave them (else a launch computes them). fp8 (an FP8 dtype): one more output,
     the normed rows (N, D) quantized per 1x128 tile as act_quant would give them, (q, scales), or None where the
-    kernel does not make them (no norm, D not a multiple of 128 or past 4096)."""
-    out = _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part, fp8)
+    kernel does not make them (no norm, D not a multiple of 128 or past 4096). side (a CUDA stream): post and
+    comb are made there, after it waits for the current stream, and the caller joins it before reading them."""
+    out = _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part, fp8, side)
     return out if fp8 is not None else out[:3]
 
 

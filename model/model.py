@@ -745,16 +745,17 @@ class MoE(nn.Module):
 
 
 def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RMSNorm | None = None, part=None,
-           fp8: torch.dtype | None = None):
+           fp8: torch.dtype | None = None, side=None):
     """x (B, T, n, D) streams -> collapsed block input (B, T, D), post (B, T, n), comb (B, T, n, n).
 
     comb is projected onto doubly-stochastic matrices by Sinkhorn-Knopp (column first, then row/column).
     norm: the RMSNorm applied to the collapsed input (inside the inference kernel). part: hc_post_mix's
     partials of this mHC's mix over x (the inference kernel's input; None: computed here). fp8 (an FP8 dtype):
-    a fourth output, the input's rows quantized per 1x128 tile (q, scales) by the inference kernel, or None."""
+    a fourth output, the input's rows quantized per 1x128 tile (q, scales) by the inference kernel, or None. side:
+    a CUDA stream the inference kernel makes post and comb on (the caller joins it before reading them)."""
     if fused_ok(x):  # inference: the decode-tuned forward
         return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps),
-                            part, fp8)
+                            part, fp8, side)
     if use_triton(x):  # training and scoring: forward and backward kernels
         h, post, comb = mhc.hc_pre(x, fn, base, scale, iters, eps, norm_eps)
     else:
@@ -832,13 +833,13 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def hc(self, site, x, part=None, fp8=None):
+    def hc(self, site, x, part=None, fp8=None, side=None):
         """The site's mHC pre, its collapsed input normed by the site's norm -> (normed, post, comb[, quantized]).
-        part, fp8: as in hc_pre."""
+        part, fp8, side: as in hc_pre."""
         c = self.cfg
         return hc_pre(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-                      getattr(self, f"{site}_norm"), part, fp8)
+                      getattr(self, f"{site}_norm"), part, fp8, side)
 
     def forward(self, x, input_ids, ctx, replay=None):
         """x (B, T, n, D) -> (B, T, n, D), expert ids (B, T, k)."""
