@@ -409,20 +409,25 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
     q = torch.empty(N, D, dtype=fp8, device=x.device) if quant else coll
     s = torch.empty(N, D // TILE, dtype=torch.float32, device=x.device) if quant else coll
     if N:
+        # role 1 reads part, base and scale: on a side stream only where they are the caller's (kept alive to the
+        # join), not copies made here that the current stream could reuse before the side stream has read them
+        apart = side is not None and not head and part is not None
         if part is None:  # the hc_pre kernel sums them
             part = _mix_partials(xf, fn, ssq=True)
         assert part.shape[0] == N and part.is_contiguous(), "part: one row of partials a token (hc_post's)"
+        base32, scale32 = base.float().contiguous(), scale.float().contiguous()
+        apart = apart and base32 is base and scale32 is scale
         nw, neps = norm if norm is not None else (coll, 0.0)
         # partials summed 128 a load (mini's 128 in one): on an H200 a call took 4.3 us at 1 token and 4.6 at 64,
         # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4).
         # Warps: 4 up to 64 tokens, 2 past (us a call at 1 / 16 / 64 / 256 tokens: 4 warps 3.53 / 3.81 / 4.30 /
         # 7.31, 2 warps 3.55 / 3.83 / 4.33 / 5.46, 1 and 8 slower)
-        args = (xf, part, base.float().contiguous(), scale.float().contiguous(), nw, coll, post, comb, q, s, eps,
-                norm_eps, neps, fp8_max(fp8) if quant else 1.0)
+        args = (xf, part, base32, scale32, nw, coll, post, comb, q, s, eps, norm_eps, neps,
+                fp8_max(fp8) if quant else 1.0)
         meta = dict(ITERS=iters, N_HC=n, D=D, NP=pow2(n), MIXP=part.shape[2], SPLIT=part.shape[1], BLOCK=block,
                     HEAD=head, NORM=norm is not None, SB=min(128, pow2(part.shape[1])), QUANT=quant,
                     num_warps=4 if N <= 64 else 2, **pdl(xf))
-        if side is None or head:
+        if not apart:
             _hc_pre_kernel[(N, 1 if head else 2)](*args, **meta)
         else:  # role 1 (post, comb: the Sinkhorn chain, the longer) on the side stream, off the collapse's path
             side.wait_stream(torch.cuda.current_stream(x.device))
@@ -438,8 +443,9 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm=Non
     of an RMSNorm applied to the collapsed row in the same kernel (model.RMSNorm's numerics). part: x's mix
     partials as hc_post(..., fn) gave them (else a launch computes them). fp8 (an FP8 dtype): one more output,
     the normed rows (N, D) quantized per 1x128 tile as act_quant would give them, (q, scales), or None where the
-    kernel does not make them (no norm, D not a multiple of 128 or past 4096). side (a CUDA stream): post and
-    comb are made there, after it waits for the current stream, and the caller joins it before reading them."""
+    kernel does not make them (no norm, D not a multiple of 128 or past 4096). side (a CUDA stream): where part is
+    given and base and scale are fp32 and contiguous, post and comb are made there from them, after it waits for
+    the current stream; the caller keeps part alive and joins the stream before reading post and comb."""
     out = _hc_launch(x, fn, base, scale, iters, eps, norm_eps, norm, False, part, fp8, side)
     return out if fp8 is not None else out[:3]
 

@@ -296,8 +296,8 @@ def test_fused_hc_and_norms(n, monkeypatch):
         assert torch.equal(h, normed[0]) and torch.equal(s, s2)
         assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
         # post and comb made on a second stream (the decode step's): the same bits, joined before they are read
-        side = torch.cuda.Stream()
-        apart = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps), None, f8, side)
+        side, part = torch.cuda.Stream(), fused._mix_partials(x[:rows].flatten(-2), fn, ssq=True)
+        apart = fused.hc_pre(x[:rows], fn, base, sc, 20, 1e-6, 1e-6, (nm.weight, nm.eps), part, f8, side)
         torch.cuda.current_stream().wait_stream(side)
         assert all(torch.equal(a, b) for a, b in zip(apart[:3], (h, *normed[1:])))
         assert torch.equal(apart[3][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(apart[3][1], s)
