@@ -1019,7 +1019,8 @@ class Runner:
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
-        # the decode step runs the compressors and the indexer on a second stream (ENGINE_SIDE_STREAM=0: one stream)
+        # the decode step runs the compressors, the indexer and the mHC pre's post / comb on a second stream
+        # (ENGINE_SIDE_STREAM=0: one stream)
         self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and
                                                           os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
         self.pool = None

@@ -233,9 +233,11 @@ def scaled_mm(xq, sx, wq, sw, out_dtype=torch.bfloat16) -> torch.Tensor:
     rows' scales 0."""
     M, K = xq.shape
     Mp = M + (-M % 4)
-    a, sa = xq.contiguous(), torch.zeros(K // BLOCK, Mp, dtype=torch.float32, device=xq.device).t()
+    sa = torch.zeros(K // BLOCK, Mp, dtype=torch.float32, device=xq.device).t()
     sa[:M] = sx
-    if Mp != M:
+    if Mp == M:
+        a = xq.contiguous()
+    else:
         a = torch.zeros(Mp, K, dtype=xq.dtype, device=xq.device)
         a[:M] = xq
     return torch._scaled_mm(a, wq.t(), scale_a=sa, scale_b=sw.t(), out_dtype=out_dtype)[:M]

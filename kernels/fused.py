@@ -411,12 +411,11 @@ def _hc_launch(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm
     if N:
         # role 1 reads part, base and scale: on a side stream only where they are the caller's (kept alive to the
         # join), not copies made here that the current stream could reuse before the side stream has read them
-        apart = side is not None and not head and part is not None
+        base32, scale32 = base.float().contiguous(), scale.float().contiguous()
+        apart = side is not None and not head and part is not None and base32 is base and scale32 is scale
         if part is None:  # the hc_pre kernel sums them
             part = _mix_partials(xf, fn, ssq=True)
         assert part.shape[0] == N and part.is_contiguous(), "part: one row of partials a token (hc_post's)"
-        base32, scale32 = base.float().contiguous(), scale.float().contiguous()
-        apart = apart and base32 is base and scale32 is scale
         nw, neps = norm if norm is not None else (coll, 0.0)
         # partials summed 128 a load (mini's 128 in one): on an H200 a call took 4.3 us at 1 token and 4.6 at 64,
         # against 5.4 and 5.5 at 32 a load; loading x beside them (before the sum) made it slower (5.2 / 6.4).

@@ -752,7 +752,7 @@ def hc_pre(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm: RM
     norm: the RMSNorm applied to the collapsed input (inside the inference kernel). part: hc_post_mix's
     partials of this mHC's mix over x (the inference kernel's input; None: computed here). fp8 (an FP8 dtype):
     a fourth output, the input's rows quantized per 1x128 tile (q, scales) by the inference kernel, or None. side:
-    a CUDA stream the inference kernel makes post and comb on (the caller joins it before reading them)."""
+    a CUDA stream for the inference kernel's post and comb, as in kernels.fused.hc_pre."""
     if fused_ok(x):  # inference: the decode-tuned forward
         return fused.hc_pre(x, fn, base, scale, iters, eps, norm_eps, None if norm is None else (norm.weight, norm.eps),
                             part, fp8, side)

@@ -500,7 +500,8 @@ def test_engine_graphs_match_eager_and_simple():
         finally:
             fp8_gemm._PDL.clear()
             fp8_gemm._PDL.update(pdl)
-        # and on one stream (the decode step runs the compressors and the indexer on a second one): the same kernels
+        # and on one stream (the decode step runs the compressors, the indexer and the mHC pre's post / comb on a
+        # second one): the same kernels
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("ENGINE_SIDE_STREAM", "0")
             outs["one stream"] = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec).generate(prompts,
