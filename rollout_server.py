@@ -491,6 +491,9 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         if side is not None:
             torch.cuda.current_stream(y.device).wait_stream(side)
         return hc_post_mix(y, x, post, comb, fn)
+    if side is not None:  # the side stream joins the step first: a join before any work went there (the first mHC
+        # pre runs on one stream) must not wait on work outside a graph being captured
+        side.wait_stream(torch.cuda.current_stream(ids.device))
     routing, part = [], None
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
