@@ -433,14 +433,15 @@ def _moe_tiles(T: int, scaled: bool = False):
     launch between the two). From `bench/fp8_linear.py --moe --sweep` on an H200 (fused_moe a call, mini's
     experts from HBM): up to 4 tokens the up kernel's K in 4 ranges, 8 warps (1 token: 31.8 us against 34.5
     unsplit; from 16 tokens on every split was slower; in the engine's batch-1 step the up kernels took 166 us
-    against 196). Past 64 tokens the down kernel 128 wide: at 256 tokens 146 us against 152 in the sweep, and
-    535 us a step against 600 in the engine. At 64 tokens the engine's step measured the opposite of the sweep
-    (291 us against 280 for 64-wide), so 64 stays there. 32- and 64-row blocks: the up kernel on 8 warps (128
-    tokens, 32-row blocks weights-first: 86.3 us a call against 89.4 on 4)."""
+    against 196). Past 4 tokens the down kernel 128 wide: at 256 tokens 146 us against 152 in the sweep, and
+    535 us a step against 600 in the engine; at 16 / 64 tokens 66.1 / 75.3 us against 67.7 / 77.0 for 64 wide,
+    and the engine's step (two runs each) 1.80 -> 1.76 ms at batch 16, 2.17 -> 2.15-2.16 at 64 (an older tree had
+    measured the opposite at 64: 291 us against 280 for 64 wide). 32- and 64-row blocks: the up kernel on 8 warps
+    (128 tokens, 32-row blocks weights-first: 86.3 us a call against 89.4 on 4)."""
     if not scaled:
         return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
     up = (128, 8, 3, 4) if T <= 4 else (128, 8, 3) if moe_block_m(T, True) > 16 else (128, 4, 3)
-    return up, ((128 if T > 64 else 64), 4, 3)
+    return up, ((128 if T > 4 else 64), 4, 3)
 
 
 def moe_block_m(T: int, scaled: bool = False) -> int:
