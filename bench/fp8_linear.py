@@ -170,10 +170,11 @@ def experts(c: ModelConfig, batches, sweep: bool):
             grid = [default]
             if sweep:  # the up kernel's (BLOCK_N, warps, stages, K ranges) with the default down, then the down's
                 # (BLOCK_N, warps, stages) with the default up
-                grid += [((bn, nw, ns, ks), down) for bn in (32, 64, 128) for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
+                grid += [((bn, nw, ns, ks), down) for bn in (32, 64, 128)
+                         for nw, ns in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
                          for ks in (1, 2, 4, 8) if (bn, nw, ns, ks) != up]
-                grid += [(up, (bn, nw, ns)) for bn in (32, 64, 128) for nw, ns in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4))
-                         if (bn, nw, ns) != down]
+                grid += [(up, (bn, nw, ns)) for bn in (32, 64, 128)
+                         for nw, ns in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4)) if (bn, nw, ns) != down]
             row = {}
             for tiles in grid:
                 try:
