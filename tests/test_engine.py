@@ -103,3 +103,29 @@ def test_fp8_holders_and_weight_updates(model):
         assert k == k2 and torch.equal(a, b), k
     with pytest.raises(KeyError, match="not a tensor"):
         eng.update_weights([("layers.0.nope", torch.zeros(1))])
+
+
+def test_run_layers_side_stream_joins_first(model, monkeypatch):
+    """A CUDA graph capture fails where the main stream waits on a side stream that no captured work has reached
+    (cudaErrorStreamCaptureIsolation): run_layers must have the side stream wait on the main one before any join
+    back, whichever layer first puts work there. Streams recorded by fakes (the order of the waits is the contract;
+    on CPU nothing runs on them)."""
+    import rollout_server
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, other.name))
+
+    main, side = Stream("main"), Stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    ids = torch.tensor([3, 4, 5])
+    with torch.no_grad():
+        logits, _ = rollout_server.run_layers(model, ids, torch.arange(3), lambda li, attn, h, tables, hq:
+                                              torch.zeros_like(h), side=side)
+    assert logits.shape[0] == 3
+    joins = [i for i, (a, b) in enumerate(log) if (a, b) == ("main", "side")]
+    assert joins and log.index(("side", "main")) < joins[0], log
