@@ -1025,7 +1025,7 @@ class Runner:
         # the decode step runs the compressors, the indexer and the mHC pre's post / comb on a second stream
         # (ENGINE_SIDE_STREAM=0: one stream)
         self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and
-                                                          os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
+                                                        os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
         self.pool = None
         self.staging, self.pinned = {}, {}
         self.parity = 0  # host buffers alternate between steps, so one step can be staged while one is in flight
