@@ -300,15 +300,18 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
 if triton is not None:
     @triton.jit
     def _fp8_linear_kernel(X, SX, W, SW, Y, PART, CNT, M, N, stride_x, stride_sx, stride_w, stride_y, fmax,
-                           K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, XQ: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           K: tl.constexpr, KS: tl.constexpr, KSP: tl.constexpr, SPLIT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                           XQ: tl.constexpr, PDL: tl.constexpr = False):
         """The FP8 linear / GEMM: program (n tile, K range s, group g x row tile) quantizes x's 1x128 tiles of K
         blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the weight tiles (XQ: x
         is act_quant's output, SX its scales: fp8_gemm; not SCALED: a BF16 weight, x in its dtype, no
         quantization). SPLIT == 1: it stores its tile. Else it stores the range's fp32 partial in PART[s], and
         the last of the tile's SPLIT programs to finish (a ticket counter, reset to 0 after) adds the partials in
-        range order and stores the tile: the same sum whichever program finishes last."""
+        range order and stores the tile: the same sum whichever program finishes last.
+        The scales of the program's K range are loaded once, before the K loop (KSP = pow2(KS); a tile's rows
+        share one 128-row block of weight scales), and each step picks its own: Triton's pipeliner issues only
+        tl.dot's operand loads ahead, so a scale load in the loop was a synchronous load every K step."""
         pdl_wait(PDL)
         pid_n, sp, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mt = tl.cdiv(M, BLOCK_M)
@@ -320,19 +323,27 @@ if triton is not None:
         nkb: tl.constexpr = K // BLOCK_K
         wrow = g * N + rn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SCALED:
+            tl.static_assert(BLOCK_K % BLOCK_N == 0)
+            kk = tl.arange(0, KSP)
+            mk = kk < KS
+            sw_all = tl.load(SW + (g * N + pid_n * BLOCK_N) // BLOCK_K * nkb + sp * KS + kk, mask=mk, other=0.0)
+            if XQ:
+                sx_all = tl.load(SX + rm[:, None] * stride_sx + g * nkb + sp * KS + kk[None, :],
+                                 mask=mm[:, None] & mk[None, :], other=0.0)
         for j in range(KS):
             kb = sp * KS + j
             w = tl.load(W + wrow[:, None] * stride_w + kb * BLOCK_K + rk[None, :], mask=mn[:, None], other=0.0)
             x = tl.load(X + rm[:, None] * stride_x + g * K + kb * BLOCK_K + rk[None, :], mask=mm[:, None],
                         other=0.0)
+            if SCALED:
+                sw = tl.sum(tl.where(kk == j, sw_all, 0.0), 0)
             if XQ:  # x already quantized (act_quant): its tiles' scales from SX
-                sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
-                sx = tl.load(SX + rm * stride_sx + g * nkb + kb, mask=mm, other=0.0)
-                acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
+                sx = tl.sum(tl.where(kk[None, :] == j, sx_all, 0.0), 1)
+                acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw
             elif SCALED:
-                sw = tl.load(SW + (wrow // BLOCK_K) * nkb + kb, mask=mn, other=0.0)
                 q, sx = quant_rows(x.to(tl.float32), fmax)
-                acc += tl.dot(q.to(W.dtype.element_ty), tl.trans(w)) * sx[:, None] * sw[None, :]
+                acc += tl.dot(q.to(W.dtype.element_ty), tl.trans(w)) * sx[:, None] * sw
             else:
                 acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
         out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
@@ -506,8 +517,8 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
         sx = sx.contiguous() if sx is not None else None
         _fp8_linear_kernel[grid](x2, x2 if sx is None else sx, wq, sw.contiguous() if scaled else wq, y, part, cnt,
                                  M, N, x2.stride(0), 0 if sx is None else sx.stride(0), wq.stride(0), y.stride(0),
-                                 fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, SPLIT=split, BLOCK_M=bm,
-                                 BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=4,
+                                 fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, KSP=pow2(ks), SPLIT=split,
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=4,
                                  num_stages=stages, **pdl(x2))
     return y
 
