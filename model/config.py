@@ -180,13 +180,15 @@ class ModelConfig:
         direct = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
                   "index_topk", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-                  "moe_intermediate_size", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
+                  "moe_intermediate_size", "scoring_func", "routed_scaling_factor",
                   "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "rope_theta",
                   "compress_rope_theta", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
                   "eos_token_id", "num_nextn_predict_layers", "qk_rope_head_dim", "num_hash_layers"]
         for k in direct:
             if g.get(k) is not None:
                 out[k] = g[k]
+        # norm_topk_prob is not read: DeepSeek-V4 divides the top-k weights by their sum whatever it says
+        # (transformers' DeepseekV4 routers ignore it; the YAML key stays a research switch)
         if isinstance(out.get("eos_token_id"), list):
             out["eos_token_id"] = out["eos_token_id"][0] if out["eos_token_id"] else None
         n = out.get("num_hidden_layers", cls.num_hidden_layers)
@@ -317,7 +319,11 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         d = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{f}: not valid JSON ({e})") from None
-    return ModelConfig.from_hf_config(d, where=str(f))
+    cfg = ModelConfig.from_hf_config(d, where=str(f))
+    if path.is_dir():  # the shared experts as the checkpoint holds them (transformers writes one of any count)
+        from .weights import shared_experts_held
+        cfg = shared_experts_held(path, cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -863,8 +863,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = Linear(D, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.head.weight = self.embed.weight
+        self.tie_weights()
         self.hc_head_fn = nn.Parameter(torch.empty(n, n * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
@@ -902,6 +901,23 @@ class Transformer(nn.Module):
                 gate.bias.zero_()
         self.reset_buffers()
         return self
+
+    def tie_weights(self):
+        """With tie_word_embeddings the head's weight is the embedding's Parameter. Again after `to_empty`, which
+        gives each module a new Parameter when it leaves `meta` (the tie would break: the head stays unfilled)."""
+        if self.cfg.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        return self
+
+    def stored_state(self) -> dict:
+        """state_dict() with each tensor once: without the aliases of tied weights (the head's, with
+        tie_word_embeddings), which a safetensors checkpoint cannot hold twice."""
+        seen, out = set(), {}
+        for name, t in self.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t.detach()
+        return out
 
     def reset_buffers(self):
         """Recompute non-persistent buffers (after building on `meta` and `to_empty`)."""

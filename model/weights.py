@@ -11,6 +11,7 @@ E8M0 block scales for the dense and expert linears; shards of at most `max_shard
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -78,6 +79,15 @@ def official_name(key: str) -> str:
     return name
 
 
+def _open(f: Path):
+    """A safetensors file's handle (memory-mapped), or a WeightError naming the file (safetensors raises its own
+    error types for truncated or corrupt files)."""
+    try:
+        return safe_open(f, framework="pt")
+    except Exception as e:
+        raise WeightError(f"{f}: cannot read safetensors file ({e})") from None
+
+
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -95,7 +105,7 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
         raise WeightError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
     wm = {}
     for f in files:
-        with safe_open(f, framework="pt") as h:
+        with _open(f) as h:
             wm.update({k: f.name for k in h.keys()})
     return files, wm
 
@@ -109,10 +119,7 @@ class _Shards:
     def get(self, key: str) -> torch.Tensor:
         fname = self.wm[key]
         if fname not in self.handles:
-            try:
-                self.handles[fname] = safe_open(self.root / fname, framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-                raise WeightError(f"{self.root / fname}: cannot read safetensors file ({e})") from None
+            self.handles[fname] = _open(self.root / fname)
         try:
             return self.handles[fname].get_tensor(key)
         except Exception as e:
@@ -249,6 +256,28 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
         raise WeightError(f"{path}: checkpoint lacks {len(missing)} tensor(s), first: {missing[:5]}")
 
 
+_SHARED_W1 = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w1\.weight$")
+
+
+def shared_experts_held(path: Path, cfg: ModelConfig) -> ModelConfig:
+    """cfg with n_shared_experts as the checkpoint holds them: the rows of its first shared expert's w1 over
+    moe_intermediate_size. transformers' DeepseekV4 writes one shared expert of moe_intermediate_size rows
+    whatever its config's n_shared_experts says (0 and 2 included); DeepSeek's layout writes n_shared_experts x
+    moe_intermediate_size rows. A directory without safetensors files, or a checkpoint without shared experts,
+    keeps cfg (load_state then reports the missing tensors). load_hf_config calls it on checkpoint directories."""
+    if not (path / "model.safetensors.index.json").exists() and not any(path.glob("*.safetensors")):
+        return cfg
+    files, wm = _checkpoint_files(path)
+    key = next((k for k in sorted(wm) if _SHARED_W1.match(official_name(k))), None)
+    if key is None:
+        return cfg
+    with _open(path / wm[key]) as h:
+        rows = h.get_slice(key).get_shape()[0]
+    if rows == cfg.shared_intermediate_size or rows % cfg.moe_intermediate_size:
+        return cfg  # as configured, or a shape load_state reports
+    return dataclasses.replace(cfg, n_shared_experts=rows // cfg.moe_intermediate_size)
+
+
 def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
                     cfg: ModelConfig | None = None) -> Transformer:
     """Read a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Transformer in eval mode.
@@ -262,7 +291,7 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
     with torch.device("meta"):
         model = Transformer(cfg)
     model.set_dtype(dtype)
-    model.to_empty(device=device)
+    model.to_empty(device=device).tie_weights()
     load_state(model, path, device, progress)
     model.reset_buffers()
     return model.eval()
