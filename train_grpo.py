@@ -872,7 +872,7 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
     # every actor rank writes its own shards: parameters (local FSDP shards of its experts and dense rows),
     # AdamW moments, RNG states
     tensors = {f"rng.{k}": v for k, v in _rng_state().items()}
-    tensors.update({f"model.{k}": local(v).detach().cpu().contiguous() for k, v in actor.model.state_dict().items()})
+    tensors.update({f"model.{k}": local(v).cpu().contiguous() for k, v in actor.model.stored_state().items()})
     tensors.update({f"optim.{k}": v.contiguous() for k, v in actor.opt.state_tensors().items()})
     save_file(tensors, str(tmp / f"actor-rank{d.rank:05d}.safetensors"))
     fault_point("ckpt")  # the recovery tests: a rank dies with the shards half written
@@ -951,7 +951,7 @@ def load_checkpoint(actor: Actor, task, path: Path, meta: dict) -> int:
     d = actor.d
     f = path / f"actor-rank{d.rank:05d}.safetensors"
     mine = load_file(str(f))
-    want = {f"model.{k}": local(v) for k, v in actor.model.state_dict().items()}
+    want = {f"model.{k}": local(v) for k, v in actor.model.stored_state().items()}
     for n, (m, v) in actor.opt.state.items():
         want[f"optim.{n}.exp_avg"], want[f"optim.{n}.exp_avg_sq"] = m, v
     for k, v in want.items():
@@ -961,7 +961,7 @@ def load_checkpoint(actor: Actor, task, path: Path, meta: dict) -> int:
             raise SystemExit(f"{f}: {k} is {mine[k].dtype} {list(mine[k].shape)}, this run expects {v.dtype} "
                              f"{list(v.shape)}")
     with torch.no_grad():
-        for k, v in actor.model.state_dict().items():
+        for k, v in actor.model.stored_state().items():
             local(v).copy_(mine[f"model.{k}"])
     actor.opt.load_state_tensors({k[len("optim."):]: v for k, v in mine.items() if k.startswith("optim.")},
                                  meta["adam_t"])

@@ -157,6 +157,21 @@ def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothin
     assert tree_digest(out / "checkpoints") == before
 
 
+def test_tied_embeddings_checkpoint_resume_and_export(tmp_path):
+    """tie_word_embeddings: the head is the embedding's Parameter; checkpoints hold it once (safetensors refuses
+    aliases), a resumed run continues, and the exported model loads with the tie in place."""
+    from model import load_pretrained
+    out = tmp_path / "tied"
+    finish(launch(out, 2, ["model.tie_word_embeddings=true"]))
+    assert complete_checkpoints(out) == [2]
+    finish(launch(out, 3, ["model.tie_word_embeddings=true"], resume="auto"))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    m = load_pretrained(out / "final", progress=False)
+    assert m.cfg.tie_word_embeddings and m.head.weight is m.embed.weight
+    with torch.no_grad():
+        assert torch.isfinite(m(torch.tensor([[1, 5, 7, 12]]))).all()
+
+
 def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
     msg = "config error: configs/tiny.yaml: deploy.world_size: the config expects 4 ranks, torchrun started 3"
     p = launch(tmp_path / "run", STEPS, ["deploy.world_size=4"])
