@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class ModelConfig:
     moe_intermediate_size: int = 2048
     num_hash_layers: int = 3             # the first layers route by tid2eid[token_id]
     scoring_func: str = "sqrtsoftplus"
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = True          # a YAML switch only: config.json's is not read (see from_hf_config)
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
     hc_mult: int = 4
@@ -255,6 +256,9 @@ class ModelConfig:
 
     def to_hf_config(self, quantization: dict | None = None) -> dict:
         """config.json in the official release naming (which `transformers` also reads)."""
+        if not self.norm_topk_prob:
+            warnings.warn("norm_topk_prob=false has no config.json form: load_pretrained and transformers divide "
+                          "the top-k weights by their sum whatever the key says", stacklevel=2)
         d = {
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
