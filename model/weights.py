@@ -267,7 +267,7 @@ def shared_experts_held(path: Path, cfg: ModelConfig) -> ModelConfig:
     keeps cfg (load_state then reports the missing tensors). load_hf_config calls it on checkpoint directories."""
     if not (path / "model.safetensors.index.json").exists() and not any(path.glob("*.safetensors")):
         return cfg
-    files, wm = _checkpoint_files(path)
+    _, wm = _checkpoint_files(path)
     key = next((k for k in sorted(wm) if _SHARED_W1.match(official_name(k))), None)
     if key is None:
         return cfg
