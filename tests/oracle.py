@@ -36,7 +36,7 @@ CASES = {
                                              "original_max_position_embeddings": 32, "beta_fast": 16,
                                              "beta_slow": 2}),
     # tied embeddings, one hc stream; transformers ignores n_shared_experts (it writes one shared expert of
-    # moe_intermediate_size) and norm_topk_prob (its routers always divide by the top-k sum): ours must read both so
+    # moe_intermediate_size) and norm_topk_prob (its routers always divide by the top-k sum), and so must we
     "tied": dict(vocab_size=40, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
                  head_dim=16, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=2,
                  norm_topk_prob=False, routed_scaling_factor=2.5, tie_word_embeddings=True, o_groups=1, o_lora_rank=8,
