@@ -855,6 +855,8 @@ class PagedCache:
                 self.iprev_gate[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
                 self.ikeys[li] = torch.zeros(n_blocks[kind], block_entries, ic.head_dim, device=device)
         self.alloc = {k: BlockAllocator(n) for k, n in n_blocks.items()}
+        # blocks promised to the forks of admitted groups still prefilling (fork_need): not free to anyone else
+        self.promised = {k: 0 for k in self.ratio}
         self.free_slots = deque(range(n_slots))
         # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
         self.tables = {k: torch.zeros(S, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
@@ -891,7 +893,12 @@ class PagedCache:
         return need, short
 
     def fits(self, need: dict) -> bool:
-        return all(len(self.alloc[k].free) >= n for k, n in need.items())
+        return all(len(self.alloc[k].free) - self.promised[k] >= n for k, n in need.items())
+
+    def fork_need(self, seq: Sequence) -> dict:
+        """Blocks one fork of seq allocates once its prompt is cached: a copy of each partly filled last block."""
+        n = len(seq.feed)
+        return {k: int((n // r) % self.BE != 0) for k, r in self.ratio.items()}
 
     def _sync_table(self, seq: Sequence, kind: str):
         row = self.tables[kind][seq.slot]
@@ -930,6 +937,7 @@ class PagedCache:
             dst.blocks[k] = list(bl[:full])
             for b in bl[full:]:
                 nb = self.alloc[k].alloc()
+                self.promised[k] -= 1  # generate promised it when it admitted the group
                 for t in self.block_tensors(k):
                     t[nb] = t[b]
                 dst.blocks[k].append(nb)
@@ -1305,10 +1313,15 @@ class Engine:
         """first_index: the index of prompts[0] in a larger request sent in pieces (the CLI's chunks). Sequence i
         samples with (its seed, first_index + i), so the pieces give what one call would."""
         params = check_prompts(prompts, params, self.cfg.vocab_size)
+        pool = {k: len(a.ref) - 1 for k, a in self.cache.alloc.items()}  # (block 0 is scratch)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "
                                  f"max_model_len {self.max_model_len}")
+            over = {k: n for k, n in self.cache.blocks_for(len(p) + sp.max_tokens).items() if n > pool[k]}
+            if over:  # it would run until its cache outgrows the whole pool
+                raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} need "
+                                 f"{over} cache blocks, the pools hold {pool}: raise num_blocks or mem_fraction")
         seqs = [Sequence(first_index + i, p, params[i]) for i, p in enumerate(prompts)]
         leaders: dict[tuple, Sequence] = {}
         for s in seqs:  # a GRPO group shares its prompt: one prefill, blocks shared
@@ -1321,15 +1334,27 @@ class Engine:
         order = 0
         c = self.cache
         self._drain(running)  # a step left in flight by an earlier call that raised
+        c.promised = dict.fromkeys(c.promised, 0)  # (and its groups' promises)
         while waiting or prefilling or running:
             while waiting:  # admit whole groups while slots and blocks last
                 s = waiting[0]
                 group = [s] + s.followers
-                need = c.shortfall(s, len(s.feed) + 1)
-                need = {k: n + len(s.followers) for k, n in need.items()}
-                if len(c.free_slots) < len(group) or not c.fits(need):
-                    break
+                forks, fits = self._group_fits(s, len(s.followers))
+                if not fits:
+                    if prefilling or running or not s.followers:
+                        break
+                    # nothing runs, so nothing frees slots or blocks: the group is larger than the cache. Admit
+                    # as much of it as fits; the rest becomes a group of its own (its prompt prefilled again)
+                    keep = next((n for n in range(len(s.followers) - 1, -1, -1) if self._group_fits(s, n)[1]), None)
+                    if keep is None:
+                        break
+                    rest, s.followers = s.followers[keep:], s.followers[:keep]
+                    rest[0].followers = rest[1:]
+                    waiting.insert(1, rest[0])
+                    continue
                 waiting.popleft()
+                for k, n in forks.items():  # held until the forks take them
+                    c.promised[k] += n
                 for g in group:
                     g.slot = c.free_slots.popleft()
                     g.order = order = order + 1
@@ -1437,6 +1462,14 @@ class Engine:
         if self.ahead is not None:
             step, self.ahead = self.ahead, None
             self._collect(step, running)
+
+    def _group_fits(self, s: Sequence, followers: int) -> tuple[dict, bool]:
+        """(blocks the forks of `followers` followers of leader s take, per kind; whether the free slots and
+        blocks hold s, its first decode step and those forks)."""
+        c = self.cache
+        forks = {k: n * followers for k, n in c.fork_need(s).items()}
+        need = {k: n + forks[k] for k, n in c.shortfall(s, len(s.feed) + 1).items()}
+        return forks, len(c.free_slots) > followers and c.fits(need)
 
     def _reserve(self, running: list[Sequence], waiting: deque):
         """Blocks for the positions the next step writes; the newest sequences are preempted while short."""

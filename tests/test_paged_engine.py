@@ -100,6 +100,30 @@ def test_sampling_and_shared_prefixes_match_the_simple_engine(model):
     assert eng.generate(prompts[3:4], sp)[0].token_ids != b[3].token_ids  # (index 0 instead of 3: other samples)
 
 
+def test_groups_admitted_together_keep_the_blocks_their_forks_need(model):
+    """Two groups admitted in one pass: each promises its followers' copies of the partial last blocks, so the
+    second group cannot take them (the forks ran the pool dry: IndexError from the allocator). A group the idle
+    cache cannot take whole is split (it never started: "the cache cannot hold a single sequence")."""
+    prompts = [*_prompts([9], 4)] * 4 + [*_prompts([9], 5)] * 4
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(prompts, sp)
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, num_blocks=6, block_entries=4,
+                 max_seqs=8)
+    for a, b in zip(ref, eng.generate(prompts, sp)):
+        _same(a, b)
+    assert not any(eng.cache.promised.values())
+    assert all(len(a.free) == len(a.ref) - 1 for a in eng.cache.alloc.values())  # every block back
+    # a group larger than the slots (or than the blocks its forks take) is admitted in parts: the same samples
+    group = [*_prompts([13], 6)] * 8
+    sp = SamplingParams(temperature=1.0, max_tokens=9, seed=3)
+    ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(group, sp)
+    for kw in (dict(max_seqs=3), dict(num_blocks=4, block_entries=2, max_seqs=8)):
+        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, **kw)
+        for a, b in zip(ref, eng.generate(group, sp)):
+            _same(a, b)
+        assert eng.stats["prefill_tokens"] > 13  # the prompt prefilled more than once
+
+
 def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     """rollout_server.py --prompts/--out: the completions do not depend on --chunk; a line's own sampling fields
     apply to it; a bad line stops the run naming file, line and what is wrong."""
