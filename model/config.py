@@ -334,6 +334,28 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 # YAML files with dotted command-line overrides; strict dataclass sections
 
 
+_BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
+def _yaml(text: str):
+    """yaml.safe_load, but only true / false are booleans (YAML 1.2): YAML 1.1's on / off / yes / no stay words, so
+    `train.routing_replay=off` is the string its field takes (build_section still reads them for bool fields)."""
+    import re
+
+    import yaml
+
+    loader = _yaml.__dict__.get("loader")
+    if loader is None:
+        class loader(yaml.SafeLoader):
+            pass
+        loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:bool"]
+                                          for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                     list("tTfF"))
+        _yaml.loader = loader
+    return yaml.load(text, Loader=loader)
+
+
 def parse_override(item: str):
     """'train.lr=3e-4' -> (['train', 'lr'], 3e-4); the value is read as YAML (numbers, bools, lists)."""
     import yaml
@@ -344,7 +366,7 @@ def parse_override(item: str):
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override '{item}': empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -358,7 +380,7 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
     try:
-        d = yaml.safe_load(path.read_text()) or {}
+        d = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(d, dict):
@@ -400,6 +422,8 @@ def build_section(cls, d: dict | None, where: str):
                     v = float(v)
                 except ValueError:
                     pass
+            if want is bool and isinstance(v, str) and v.lower() in _BOOL_WORDS:
+                v = _BOOL_WORDS[v.lower()]
             if want is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
             elif want is bool and not isinstance(v, bool) or want in (int, str) and type(v) is not want:

@@ -93,6 +93,18 @@ def test_overrides_and_file_errors(tmp_path):
         load_hf_config(tmp_path)
 
 
+def test_yaml_words_off_and_yes():
+    """YAML 1.1 reads off / yes as booleans: the README's `train.routing_replay=off` failed ("expected str, got
+    False"). Only true / false are booleans now; a bool field still takes yes / no / on / off."""
+    from train_grpo import RunConfig
+    c = RunConfig.load("configs/tiny.yaml", ["train.routing_replay=off", "train.compile=yes",
+                                             "model.tie_word_embeddings=on", "rollout.cuda_graphs=false"])
+    assert (c.train.routing_replay, c.train.compile, c.model.tie_word_embeddings, c.rollout.cuda_graphs) == \
+        ("off", True, True, False)
+    with pytest.raises(ConfigError, match="train.compile: expected bool, got 'maybe'"):
+        RunConfig.load("configs/tiny.yaml", ["train.compile=maybe"])
+
+
 @pytest.mark.parametrize("name", ["tiny", "mini", "dsv4"])
 def test_shipped_configs_load(name):
     c = ModelConfig.from_dict(load_yaml(f"configs/{name}.yaml")["model"])
