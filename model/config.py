@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -337,23 +338,26 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 _BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
 
 
-def _yaml(text: str):
-    """yaml.safe_load, but only true / false are booleans (YAML 1.2): YAML 1.1's on / off / yes / no stay words, so
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """yaml.SafeLoader with only true / false as booleans (YAML 1.2): YAML 1.1's on / off / yes / no stay words, so
     `train.routing_replay=off` is the string its field takes (build_section still reads them for bool fields)."""
     import re
 
     import yaml
 
-    loader = _yaml.__dict__.get("loader")
-    if loader is None:
-        class loader(yaml.SafeLoader):
-            pass
-        loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:bool"]
-                                          for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-        loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                     list("tTfF"))
-        _yaml.loader = loader
-    return yaml.load(text, Loader=loader)
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.yaml_implicit_resolvers = {k: [r for r in v if r[0] != "tag:yaml.org,2002:bool"]
+                                      for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    return Loader
+
+
+def _yaml(text: str):
+    import yaml
+    return yaml.load(text, Loader=_yaml_loader())
 
 
 def parse_override(item: str):
