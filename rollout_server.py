@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.attention import decode_attention, index_scores, index_topk
+from kernels.attention import decode_attention, index_scores, index_topk, topk_first
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
                               use_triton)
@@ -610,7 +610,7 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
             cmask = torch.arange(comp.shape[0], device=p.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None]
             if attn.indexer is not None and comp.shape[0]:
                 sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
-                top = sc.masked_fill(~cmask, float("-inf")).topk(min(attn.indexer.topk, comp.shape[0]), dim=-1).indices
+                top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, comp.shape[0]))
                 if chosen is not None:
                     chosen.append(index_record(torch.where(cmask.gather(-1, top), top, -1), attn.indexer.topk))
                 cmask = torch.zeros_like(cmask).scatter_(-1, top, True) & cmask

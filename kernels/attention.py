@@ -319,10 +319,22 @@ def index_scores(qi, wi, pool, table, count, S: int, w_scale: float = 1.0):
     return out
 
 
+def topk_first(sc: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., S) scores -> (..., k) int64 indices of the k largest, best first; equal scores (-0.0 equal to 0.0) in
+    index order, as _index_topk_kernel sorts them. torch.topk's order among equal values is unspecified and changes
+    with the row's length, so the indexer's paths (decode kernel, full forward, prefill) could pick different
+    entries where scores tie, e.g. several exactly 0 when every head's ReLU is 0. One int64 topk over the kernel's
+    packing: an order-preserving int32 of the score above the reversed index."""
+    S = sc.shape[-1]
+    bits = sc.float().masked_fill(sc == 0, 0.0).view(torch.int32).to(torch.int64)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) << 32 | (S - 1 - torch.arange(S, device=sc.device))
+    return S - 1 - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
+
+
 def index_topk_ref(sc, k: int, count):
-    """sc (B, S) scores (-inf at and beyond count) -> (B, k) int64 entries of the k best scores, -1 where fewer
-    than k entries exist."""
-    top = sc.topk(k, dim=-1).indices
+    """sc (B, S) scores (-inf at and beyond count) -> (B, k) int64 entries of the k best scores (ties: the lower
+    entry first), -1 where fewer than k entries exist."""
+    top = topk_first(sc, k)
     return torch.where(top < count[:, None], top, torch.full_like(top, -1))
 
 
@@ -335,6 +347,7 @@ if triton is not None:
         b = tl.program_id(0)
         rs = tl.arange(0, SP)
         v = tl.load(SC + b * S + rs, mask=rs < S, other=float("-inf"))
+        v = tl.where(v == 0.0, 0.0, v)  # -0.0 ties with 0.0
         bits = v.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         srt = tl.sort((key.to(tl.int64) << 32) | (SP - 1 - rs).to(tl.int64), 0, descending=True)

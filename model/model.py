@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kernels import fused, mhc
-from kernels.attention import block_softmax
+from kernels.attention import block_softmax, topk_first
 from kernels.logprob import head_logprob
 from kernels.moe import combine_rows
 from kernels.fp8_gemm import use_triton
@@ -282,7 +282,7 @@ class Indexer(nn.Module):
             sc = self.scores(q, w, keys)
             allowed = torch.arange(n_entries, device=x.device) < ((pos[s:e] + 1) // self.ratio)[:, None]
             sc = sc.masked_fill(~allowed, float("-inf"))
-            idx = sc.topk(k, dim=-1).indices
+            idx = topk_first(sc, k)  # ties: the lower entry, as the engine's paths pick
             picked = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, idx, True)
             mask[:, s:e] = picked & allowed
         return mask

@@ -113,16 +113,27 @@ def route_case(device, M: int, D: int, E: int, k: int, score_func: str, hashed: 
     return bad, dw
 
 
-def index_topk_case(device, B: int, S: int, k: int, seed: int = 0) -> bool:
-    """kernels.attention.index_topk against its torch twin on rows with counts from 0 to S (distinct scores).
-    -> whether the selections are identical (entries, their order, the -1 padding)."""
+def index_topk_case(device, B: int, S: int, k: int, seed: int = 0, ties: bool = False) -> bool:
+    """kernels.attention.index_topk against its torch twin on rows with counts from 0 to S (distinct scores; ties:
+    scores on a grid of halves, most of them tied, 0.0 and -0.0 among them, where both must also give a stable
+    descending sort's order: equal scores in entry order). -> whether the selections are identical (entries, their
+    order, the -1 padding)."""
     from kernels.attention import index_topk, index_topk_ref
     g = torch.Generator().manual_seed(seed)
     count = torch.randint(0, S + 1, (B,), generator=g)
     count[0], count[-1] = S, 0
-    sc = torch.randn(B, S, generator=g).masked_fill(torch.arange(S)[None] >= count[:, None], float("-inf"))
-    sc, count = sc.to(device), count.to(device)
-    return torch.equal(index_topk(sc, k, count), index_topk_ref(sc, k, count))
+    sc = torch.randn(B, S, generator=g)
+    if ties:
+        sc = (sc * 2).round() / 2  # small negatives round to -0.0
+        sc[:, ::7] = 0.0
+        assert bool((sc == 0).logical_and(sc.signbit()).any()) and bool((sc == 0).logical_and(~sc.signbit()).any())
+    sc = sc.masked_fill(torch.arange(S)[None] >= count[:, None], float("-inf"))
+    got = index_topk(sc.to(device), k, count.to(device))
+    ok = torch.equal(got, index_topk_ref(sc.to(device), k, count.to(device)))
+    if ties:
+        want = (sc + 0.0).sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        ok = ok and torch.equal(got.cpu(), torch.where(want < count[:, None], want, -1))
+    return ok
 
 
 def grad_case(fast, twin, inputs, seed: int = 0) -> float:

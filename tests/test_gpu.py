@@ -445,9 +445,10 @@ def test_moe_align_kernel(T, k, E, absent, n_shared):
 
 
 @pytest.mark.parametrize("B,S,k", [(1, 1024, 512), (64, 1024, 512), (16, 4096, 512), (5, 300, 64), (3, 8, 8)])
-def test_index_topk_kernel(B, S, k):
+@pytest.mark.parametrize("ties", [False, True])
+def test_index_topk_kernel(B, S, k, ties):
     from tests.kernel_cases import index_topk_case
-    assert index_topk_case("cuda", B, S, k)
+    assert index_topk_case("cuda", B, S, k, ties=ties)
 
 
 @pytest.mark.parametrize("M,D,E,k,func,hashed", [(1, 2048, 32, 6, "sqrtsoftplus", False),

@@ -75,6 +75,20 @@ def test_index_scores_reference_matches_indexer_formula():
     assert torch.allclose(s[0, :6], want[:6], atol=1e-5) and torch.isinf(s[0, 6:]).all() and torch.isinf(s[1, 2:]).all()
 
 
+
+def test_indexer_topk_ties_in_entry_order():
+    """Tied index scores (0.0 and -0.0 among them) are picked in entry order, as the GPU kernel sorts them, by the
+    torch paths too (topk_first): torch.topk's order among equals changes with the row's length, so the full
+    forward, the prefill and the decode step could pick different entries."""
+    from kernels.attention import topk_first
+    from tests.kernel_cases import index_topk_case
+    sc = torch.tensor([[0.0, 0.5, -0.0, 0.5, float("-inf"), -1.0, 0.0, 2.0]])
+    assert topk_first(sc, 8).tolist() == [[7, 1, 3, 0, 2, 6, 5, 4]]
+    x = torch.randn(3, 5, 300, generator=G)  # distinct scores: torch.topk's entries
+    assert torch.equal(topk_first(x, 40), x.topk(40).indices)
+    for B, S, k in ((3, 64, 16), (2, 20, 20), (4, 1024, 512)):
+        assert index_topk_case("cpu", B, S, k, ties=True), (B, S, k)
+
 INTERPRETED = textwrap.dedent("""
     import torch
     import kernels.moe as km
@@ -297,7 +311,8 @@ INTERPRETED = textwrap.dedent("""
     assert (got - want).abs().max() < 1e-5 * want.abs().max(), float((got - want).abs().max())
     from tests.kernel_cases import index_topk_case
     for B, S, k in ((3, 64, 16), (2, 300, 200), (4, 1024, 512), (2, 20, 20)):
-        assert index_topk_case("cpu", B, S, k), (B, S, k)
+        for ties in (False, True):
+            assert index_topk_case("cpu", B, S, k, ties=ties), (B, S, k, ties)
     from tests.kernel_cases import route_case
     for M, D, E, k, func, hashed in ((1, 300, 32, 6, "sqrtsoftplus", False), (7, 256, 6, 2, "softmax", False),
                                      (130, 64, 32, 6, "sigmoid", False), (5, 128, 16, 3, "sqrtsoftplus", True),

@@ -80,6 +80,23 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
         assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
 
 
+
+def test_tied_index_scores_pick_the_same_entries_everywhere(model):
+    """A position whose indexer scores tie exactly (entries 0 and 4 both 0.0: every head's ReLU is 0, here at
+    position 19 of CSA layer 0): the decode step, the prefill and the full forward pick the same entries, so the
+    log-probs agree with the forward's (they were 0.126 apart when the torch paths took torch.topk's order)."""
+    prompt = _prompts([27, 3])[1]
+    sp = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    outs = [e.generate([prompt], sp)[0] for e in (
+        Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, record_index=True),
+        SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu", record_index=True))]
+    full = torch.tensor([outs[0].prompt_token_ids + outs[0].token_ids])
+    logits, _, chosen = _chosen(model, full)
+    want = logits[0, len(prompt) - 1:-1].log_softmax(-1).gather(-1, torch.tensor(outs[0].token_ids)[:, None])[:, 0]
+    for o in outs:
+        assert torch.equal(chosen[:-1], o.index_entries)
+        assert (torch.tensor(o.logprobs) - want).abs().max() < 1e-4
+
 def test_sampling_and_shared_prefixes_match_the_simple_engine(model):
     prompts = [*_prompts([7], 1)] * 4 + [*_prompts([20], 2)] * 3 + _prompts([2], 3)
     sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=12, max_tokens=20, seed=5)
