@@ -1333,44 +1333,47 @@ class Engine:
         running: list[Sequence] = []
         order = 0
         c = self.cache
-        self._drain(running)  # a step left in flight by an earlier call that raised
-        c.promised = dict.fromkeys(c.promised, 0)  # (and its groups' promises)
-        while waiting or prefilling or running:
-            while waiting:  # admit whole groups while slots and blocks last
-                s = waiting[0]
-                group = [s] + s.followers
-                forks, fits = self._group_fits(s, len(s.followers))
-                if not fits:
-                    if prefilling or running or not s.followers:
-                        break
-                    # nothing runs, so nothing frees slots or blocks: the group is larger than the cache. Admit
-                    # as much of it as fits; the rest becomes a group of its own (its prompt prefilled again)
-                    keep = next((n for n in range(len(s.followers) - 1, -1, -1) if self._group_fits(s, n)[1]), None)
-                    if keep is None:
-                        break
-                    rest, s.followers = s.followers[keep:], s.followers[:keep]
-                    rest[0].followers = rest[1:]
-                    waiting.insert(1, rest[0])
-                    continue
-                waiting.popleft()
-                for k, n in forks.items():  # held until the forks take them
-                    c.promised[k] += n
-                for g in group:
-                    g.slot = c.free_slots.popleft()
-                    g.order = order = order + 1
-                c.grow(s, len(s.feed))
-                prefilling.append(s)
-            if not (prefilling or running):
-                raise RuntimeError("the cache cannot hold a single sequence: raise num_blocks or mem_fraction")
-            t0 = time.perf_counter()
-            if prefilling:  # every step ends in a host read of its samples, so the wall time is the step's
-                self._prefill_step(prefilling, running)
-                self.stats["prefill_s"] += time.perf_counter() - t0
-            else:
-                self.stats["decode_tokens"] += len(running)
-                self._decode_step(running, waiting)
-                self.stats["decode_s"] += time.perf_counter() - t0
-        self._drain(running)
+        try:
+            while waiting or prefilling or running:
+                while waiting:  # admit whole groups while slots and blocks last
+                    s = waiting[0]
+                    group = [s] + s.followers
+                    forks, fits = self._group_fits(s, len(s.followers))
+                    if not fits:
+                        if prefilling or running or not s.followers:
+                            break
+                        # nothing runs, so nothing frees slots or blocks: the group is larger than the cache. Admit
+                        # as much of it as fits; the rest becomes a group of its own (its prompt prefilled again)
+                        keep = next((n for n in range(len(s.followers) - 1, -1, -1) if self._group_fits(s, n)[1]),
+                                    None)
+                        if keep is None:
+                            break
+                        rest, s.followers = s.followers[keep:], s.followers[:keep]
+                        rest[0].followers = rest[1:]
+                        waiting.insert(1, rest[0])
+                        continue
+                    waiting.popleft()
+                    for k, n in forks.items():  # held until the forks take them
+                        c.promised[k] += n
+                    for g in group:
+                        g.slot = c.free_slots.popleft()
+                        g.order = order = order + 1
+                    c.grow(s, len(s.feed))
+                    prefilling.append(s)
+                if not (prefilling or running):
+                    raise RuntimeError("the cache cannot hold a single sequence: raise num_blocks or mem_fraction")
+                t0 = time.perf_counter()
+                if prefilling:  # every step ends in a host read of its samples, so the wall time is the step's
+                    self._prefill_step(prefilling, running)
+                    self.stats["prefill_s"] += time.perf_counter() - t0
+                else:
+                    self.stats["decode_tokens"] += len(running)
+                    self._decode_step(running, waiting)
+                    self.stats["decode_s"] += time.perf_counter() - t0
+            self._drain(running)
+        except BaseException:  # (KeyboardInterrupt too) the next call finds the cache as a fresh engine would
+            self._abandon(seqs)
+            raise
         def rows(pieces, s):  # one row a fed position
             return torch.from_numpy(np.concatenate(pieces)[: len(s.prompt) + len(s.tokens) - 1])
         return [Output(s.prompt, s.tokens, s.logprobs, rows(s.routing, s), s.finish,
@@ -1457,6 +1460,19 @@ class Engine:
                 getattr(seqs[i], name).append(rows[i:i + 1])
             seqs[i].fed += 1
         self._take([seqs[i] for i in live], tok[live].tolist(), lp[live].tolist(), running, decoding=True)
+
+    def _abandon(self, seqs: list[Sequence]):
+        """After a generate call raised: wait for its step in flight and drop it, give back every slot and block
+        its sequences hold, and clear its groups' promised blocks."""
+        step, self.ahead = self.ahead, None
+        if step is not None:
+            try:
+                self.runner.fetch_wait(step[1])
+            except Exception:  # the device error the call raised on: nothing left to wait for
+                pass
+        for s in seqs:
+            self.cache.release(s)
+        self.cache.promised = dict.fromkeys(self.cache.promised, 0)
 
     def _drain(self, running: list[Sequence]):
         if self.ahead is not None:

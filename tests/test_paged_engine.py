@@ -141,6 +141,33 @@ def test_groups_admitted_together_keep_the_blocks_their_forks_need(model):
         assert eng.stats["prefill_tokens"] > 13  # the prompt prefilled more than once
 
 
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_call_that_raises_gives_back_its_slots_and_blocks(model, monkeypatch, pipeline):
+    """generate raising mid-run (here the third decode step; a KeyboardInterrupt or a device error alike) leaves the
+    cache as it found it: the next call runs as on a fresh engine. Before, the failed call's sequences kept their
+    slots and blocks for good ('the cache cannot hold a single sequence' from then on)."""
+    prompts, sp = _prompts([9, 5]), SamplingParams(temperature=1.0, max_tokens=12, seed=2, ignore_eos=True)
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, max_seqs=2,
+                 num_blocks=6, block_entries=4, pipeline=pipeline)
+    c = eng.cache
+    free = {k: len(a.free) for k, a in c.alloc.items()}
+    want = eng.generate(prompts, sp)
+    calls, decode = [0], eng.runner.decode
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return decode(*a, **k)
+    monkeypatch.setattr(eng.runner, "decode", failing)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(prompts, sp)
+    assert len(c.free_slots) == 2 and {k: len(a.free) for k, a in c.alloc.items()} == free
+    assert eng.ahead is None and not any(c.promised.values())
+    for a, b in zip(want, eng.generate(prompts, sp)):
+        _same(a, b)
+
 def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     """rollout_server.py --prompts/--out: the completions do not depend on --chunk; a line's own sampling fields
     apply to it; a bad line stops the run naming file, line and what is wrong."""
