@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import numbers
 import operator
 import os
 import re
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -57,20 +59,53 @@ from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc
 from model.weights import FP8_LINEAR, load_pretrained
 
 
+MIN_TEMPERATURE = 1e-30
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0      # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     max_tokens: int = 16
-    seed: int | None = None       # per request: sequence i of a generate() call samples with (seed, first_index + i)
+    seed: int | None = None       # per request: sequence i of a generate() call samples with (seed, first_index + i);
+    #                               None samples as seed 0 does (runs are reproducible unless seeds are varied)
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self):
-        bad = [f"{k}={getattr(self, k)!r} ({rule})" for k, ok, rule in (
-            ("temperature", self.temperature >= 0, ">= 0, 0 = greedy"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, ">= 0, 0 = off"), ("max_tokens", self.max_tokens >= 1, ">= 1")) if not ok]
+        """Checks every field up front (a bad one named, before any work) and normalizes the integers to int."""
+        bad = []
+
+        def whole(name, lo=None):  # an integer (numpy and 0-d tensor integers too), >= lo
+            v = getattr(self, name)
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                v = operator.index(v)
+            except TypeError:
+                return bad.append(f"{name}={v!r} (an integer)")
+            if lo is not None and v < lo:
+                return bad.append(f"{name}={v!r} (>= {lo})")
+            setattr(self, name, v)
+
+        def real(name, ok, rule):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
+                return bad.append(f"{name}={v!r} ({rule})")
+            setattr(self, name, float(v))
+        # below MIN_TEMPERATURE, logits / temperature overflows fp32 (NaN log-probs); such a temperature is greedy
+        real("temperature", lambda t: t == 0 or t >= MIN_TEMPERATURE,
+             f">= 0, 0 = greedy; a positive one >= {MIN_TEMPERATURE:g}")
+        real("top_p", lambda p: 0 < p <= 1, "in (0, 1]")
+        whole("top_k", 0)
+        whole("max_tokens", 1)
+        if self.seed is not None:
+            whole("seed")
+        try:
+            self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids]
+        except TypeError:
+            bad.append(f"stop_token_ids={self.stop_token_ids!r} (a list of token ids)")
         if bad:
             raise ValueError(f"invalid sampling parameters: {', '.join(bad)}")
 
@@ -629,22 +664,43 @@ def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: int | None
     return "length" if n_tokens >= params.max_tokens else None
 
 
-def check_prompts(prompts, params, vocab: int):
+def check_sizes(**sizes):
+    """An engine's sizes: integers >= 1, a bad one named (before the model loads)."""
+    bad = [f"{k}={v!r}" for k, v in sizes.items()
+           if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1]
+    if bad:
+        raise ValueError(f"invalid engine arguments: {', '.join(bad)} (integers >= 1)")
+
+
+def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """generate's arguments checked, a bad one named: -> (the prompts as lists of Python ints, one SamplingParams
+    a prompt). Prompts: a list (or 2-D tensor / array) of token id sequences."""
+    prompts = list(prompts)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
+    params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling parameters {i}: {sp!r} is not a SamplingParams")
+    out = []
     for i, p in enumerate(prompts):
-        if not len(p):
-            raise ValueError(f"prompt {i} is empty")
+        if isinstance(p, (str, bytes)) or not isinstance(p, Iterable) or getattr(p, "ndim", 1) != 1:
+            raise TypeError(f"prompt {i}: {p!r} is not a sequence of token ids (generate takes a list of prompts, "
+                            f"each a list of token ids)")
+        ids = []
         for j, t in enumerate(p):
             try:
-                operator.index(t)  # Python / numpy / 0-d tensor integers
+                ids.append(operator.index(t))  # Python / numpy / 0-d tensor integers
             except TypeError:
                 raise TypeError(f"prompt {i}, position {j}: token id {t!r} is not an integer") from None
-        if max(p) >= vocab or min(p) < 0:
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if max(ids) >= vocab or min(ids) < 0:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-    return params
+        out.append(ids)
+    return out, params
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,6 +738,7 @@ class SimpleEngine:
                  fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False, ep=None,
                  record_index: bool = False):
         """record_index: each Output also carries the indexer's chosen entries (Output.index_entries)."""
+        check_sizes(max_batch_tokens=max_batch_tokens)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
@@ -729,7 +786,7 @@ class SimpleEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  first_index: int = 0) -> list[Output]:
         """first_index: the index of prompts[0] in a larger request (Engine.generate)."""
-        params = check_prompts(prompts, params, self.cfg.vocab_size)
+        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size)
         seqs = [SimpleSeq(first_index + i, p, params[i], self.model, self.device, self.dtype)
                 for i, p in enumerate(prompts)]
         same: dict[tuple, list[SimpleSeq]] = {}
@@ -1266,6 +1323,12 @@ class Engine:
         the host's bookkeeping overlaps the device's work; False: one step at a time (the twin).
         record_index: each Output also carries the indexer's chosen entries (Output.index_entries), for indexer
         replay in training."""
+        pools = ({f"num_blocks[{k!r}]": n for k, n in num_blocks.items()} if isinstance(num_blocks, dict) else
+                 {} if num_blocks is None else {"num_blocks": num_blocks})
+        check_sizes(max_seqs=max_seqs, max_model_len=max_model_len, block_entries=block_entries,
+                    max_batch_tokens=max_batch_tokens, **pools)
+        if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
+            raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
@@ -1312,7 +1375,7 @@ class Engine:
                  first_index: int = 0) -> list[Output]:
         """first_index: the index of prompts[0] in a larger request sent in pieces (the CLI's chunks). Sequence i
         samples with (its seed, first_index + i), so the pieces give what one call would."""
-        params = check_prompts(prompts, params, self.cfg.vocab_size)
+        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size)
         pool = {k: len(a.ref) - 1 for k, a in self.cache.alloc.items()}  # (block 0 is scratch)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:

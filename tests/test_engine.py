@@ -5,7 +5,7 @@ import torch
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
-from rollout_server import EngineExperts, FP8Linear, SamplingParams, SimpleEngine
+from rollout_server import Engine, EngineExperts, FP8Linear, SamplingParams, SimpleEngine
 from tests.conftest import input_dependent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -82,6 +82,26 @@ def test_sampling_seeds_top_k_top_p(model):
         SamplingParams(temperature=-1.0, top_p=0.0)
     with pytest.raises(ValueError, match=r"max_tokens=0 \(>= 1\)$"):
         SamplingParams(max_tokens=0)
+    # each was taken and failed deep inside generate (or, 1e-40, gave NaN log-probs: logits / T overflows fp32)
+    for kw, msg in ((dict(stop_token_ids=5), r"stop_token_ids=5 \(a list of token ids\)"),
+                    (dict(seed="abc"), r"seed='abc' \(an integer\)"), (dict(top_k=2.5), r"top_k=2.5 \(an integer\)"),
+                    (dict(max_tokens=None), r"max_tokens=None \(an integer\)"),
+                    (dict(temperature=1e-40), r"temperature=1e-40 \(>= 0, 0 = greedy; a positive one >= 1e-30\)"),
+                    (dict(temperature=float("nan")), "temperature=nan")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+    import numpy as np
+    sp = SamplingParams(max_tokens=np.int64(3), seed=torch.tensor(4), stop_token_ids=(np.int32(9),))
+    assert (type(sp.max_tokens), type(sp.seed), sp.stop_token_ids) == (int, int, [9])
+    with pytest.raises(TypeError, match="prompt 0: 5 is not a sequence of token ids"):
+        eng.generate([5, 6, 7], sp)  # a flat list: one prompt, not a list of them
+    out = eng.generate(torch.tensor([prompts[0]]), sp)[0]  # a (1, T) tensor of prompts: plain ints out
+    assert out.prompt_token_ids == prompts[0] and {type(t) for t in out.prompt_token_ids} == {int}
+    for kw, msg in ((dict(max_seqs=0), "max_seqs=0"), (dict(max_batch_tokens=0), "max_batch_tokens=0"),
+                    (dict(num_blocks={"csa": 0, "hca": 4}), r"num_blocks\['csa'\]=0"),
+                    (dict(mem_fraction=1.5), r"mem_fraction=1.5 \(in \(0, 1\]\)")):
+        with pytest.raises(ValueError, match=msg):
+            Engine(model, fp8=False, dtype=torch.float32, device="cpu", **kw)
 
 
 def test_fp8_holders_and_weight_updates(model):
