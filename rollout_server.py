@@ -56,7 +56,7 @@ from kernels.moe import fused_moe
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
-from model.weights import FP8_LINEAR, load_pretrained
+from model.weights import FP8_LINEAR, load_pretrained, stored_scale_fmt
 
 
 MIN_TEMPERATURE = 1e-30
@@ -380,16 +380,22 @@ class EngineExperts(nn.Module):
         self.routed("s" + name[1]).copy_(s.float())
 
 
-def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str = "fp32",
+def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str | None = None,
                             progress: bool = False, ep=None) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
-    routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism)."""
+    routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
+    scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
+    (stored_scale_fmt: its FP8 weights keep their bits), else fp32."""
+    if scale_fmt not in (None, "fp32", "ue8m0"):
+        raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
     if isinstance(model_or_path, (str, Path)):
         model = load_pretrained(model_or_path, device, dtype, progress=progress)
+        scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
     else:
         model = copy.deepcopy(model_or_path).to(device).set_dtype(dtype)
         model.reset_buffers()
     model.eval().requires_grad_(False)
+    scale_fmt = scale_fmt or "fp32"
     q = fp8_dtype(device) if fp8 else None
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -735,7 +741,7 @@ class SimpleSeq:
 
 class SimpleEngine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
-                 fp8_scale_fmt: str = "fp32", max_batch_tokens: int = 8192, progress: bool = False, ep=None,
+                 fp8_scale_fmt: str | None = None, max_batch_tokens: int = 8192, progress: bool = False, ep=None,
                  record_index: bool = False):
         """record_index: each Output also carries the indexer's chosen entries (Output.index_entries)."""
         check_sizes(max_batch_tokens=max_batch_tokens)
@@ -1313,7 +1319,7 @@ class Engine:
     (mem_fraction of it) unless num_blocks is given; max_model_len bounds prompt + completion."""
 
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
-                 fp8_scale_fmt: str = "fp32", max_seqs: int = 256, max_model_len: int = 4096,
+                 fp8_scale_fmt: str | None = None, max_seqs: int = 256, max_model_len: int = 4096,
                  block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
                  pipeline: bool = True, record_index: bool = False):
@@ -1322,7 +1328,9 @@ class Engine:
         pipeline: launch each decode step before reading the last one's tokens (they feed it on the device), so
         the host's bookkeeping overlaps the device's work; False: one step at a time (the twin).
         record_index: each Output also carries the indexer's chosen entries (Output.index_entries), for indexer
-        replay in training."""
+        replay in training.
+        fp8_scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's
+        own (an FP8 checkpoint's weights keep their bits), else fp32."""
         pools = ({f"num_blocks[{k!r}]": n for k, n in num_blocks.items()} if isinstance(num_blocks, dict) else
                  {} if num_blocks is None else {"num_blocks": num_blocks})
         check_sizes(max_seqs=max_seqs, max_model_len=max_model_len, block_entries=block_entries,
@@ -2193,6 +2201,9 @@ def main(argv=None):
     ap.add_argument("--tokenizer", help="tokenizer.json (for text prompts and decoded outputs)")
     ap.add_argument("--chat-template", default="{prompt}")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
+    ap.add_argument("--fp8-scale-fmt", choices=["fp32", "ue8m0"],
+                    help="FP8 block scales (default: an FP8 checkpoint's own, its weights keeping their bits; "
+                         "else fp32)")
     ap.add_argument("--engine", choices=["paged", "simple"], default="paged")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -2260,7 +2271,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(cfg, device, dtype, seed=args.seed) if yaml_model else args.model
-    kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries)
+    kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
+              fp8_scale_fmt=args.fp8_scale_fmt)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
     engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)

@@ -278,6 +278,17 @@ def shared_experts_held(path: Path, cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, n_shared_experts=rows // cfg.moe_intermediate_size)
 
 
+def stored_scale_fmt(path: str | Path) -> str:
+    """The block-scale format of a checkpoint's FP8 weights: "ue8m0" where its config.json's quantization_config
+    says scale_fmt ue8m0 (the release's power-of-two scales, as save_pretrained(fp8=True) writes them), else
+    "fp32". Quantized again in that format, the weights load_pretrained dequantized give back the stored bits."""
+    try:
+        q = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):  # load_pretrained names what is wrong with the file
+        return "fp32"
+    return "ue8m0" if isinstance(q, dict) and q.get("scale_fmt") == "ue8m0" else "fp32"
+
+
 def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
                     cfg: ModelConfig | None = None) -> Transformer:
     """Read a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Transformer in eval mode.
