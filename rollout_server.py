@@ -80,20 +80,20 @@ class SamplingParams:
         def whole(name, lo=None):  # an integer (numpy and 0-d tensor integers too), >= lo
             v = getattr(self, name)
             try:
-                if isinstance(v, bool):
-                    raise TypeError
-                v = operator.index(v)
+                i = operator.index(v) if not isinstance(v, bool) else None
             except TypeError:
-                return bad.append(f"{name}={v!r} (an integer)")
-            if lo is not None and v < lo:
-                return bad.append(f"{name}={v!r} (>= {lo})")
-            setattr(self, name, v)
+                i = None
+            if i is None or (lo is not None and i < lo):
+                bad.append(f"{name}={v!r} ({'an integer' if i is None else f'>= {lo}'})")
+            else:
+                setattr(self, name, i)
 
         def real(name, ok, rule):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
-                return bad.append(f"{name}={v!r} ({rule})")
-            setattr(self, name, float(v))
+                bad.append(f"{name}={v!r} ({rule})")
+            else:
+                setattr(self, name, float(v))
         # below MIN_TEMPERATURE, logits / temperature overflows fp32 (NaN log-probs); such a temperature is greedy
         real("temperature", lambda t: t == 0 or t >= MIN_TEMPERATURE,
              f">= 0, 0 = greedy; a positive one >= {MIN_TEMPERATURE:g}")
