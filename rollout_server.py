@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -52,7 +53,7 @@ from kernels.attention import decode_attention, index_scores, index_topk, topk_f
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
                               use_triton)
-from kernels.moe import fused_moe
+from kernels.moe import fused_moe, moe_kernels_take
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
@@ -1093,6 +1094,14 @@ class Runner:
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
+        cfg = model.cfg
+        if self.use_graphs and not moe_kernels_take(torch.empty(0, device=cache.device), cfg.hidden_size,
+                                                    cfg.moe_intermediate_size):
+            warnings.warn(f"CUDA graphs off: the decode step's experts run on the torch fallback (hidden_size "
+                          f"{cfg.hidden_size} and moe_intermediate_size {cfg.moe_intermediate_size} must be multiples "
+                          f"of {BLOCK} for the grouped kernels, and Triton present), which reads on the host which "
+                          f"experts a step hit")
+            self.use_graphs = False
         # the decode step runs the compressors, the indexer and the mHC pre's post / comb on a second stream
         # (ENGINE_SIDE_STREAM=0: one stream)
         self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and

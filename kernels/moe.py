@@ -475,6 +475,13 @@ def moe_swap(T: int, scaled: bool) -> bool:
     return scaled and (T <= 16 or moe_block_m(T, scaled) == 32)
 
 
+def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
+    """Whether fused_moe runs its kernels on x's device for hidden size D and expert width I (128-multiples: the
+    FP8 block tiles), not fused_moe_ref, whose loop over the experts hit reads them on the host (no CUDA graph
+    can capture that)."""
+    return use_triton(x) and D % BLOCK == 0 and I % BLOCK == 0
+
+
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
               tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None, xq=None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
@@ -486,7 +493,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
-    if not use_triton(x) or D % BLOCK or I % BLOCK:
+    if not moe_kernels_take(x, D, I):
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
         return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)

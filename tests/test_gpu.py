@@ -472,6 +472,26 @@ def test_gumbel_sample_kernel(B, dtype):
     assert bad == 0 and dlp < 1e-4, (bad, dlp)
 
 
+def test_engine_on_small_dims_turns_graphs_off():
+    """configs/tiny.yaml's dims (hidden 64, experts 32 wide) on a GPU: the experts run on fused_moe's torch twin,
+    which a CUDA graph cannot capture (it read which experts were hit on the host: the capture failed with
+    cudaErrorStreamCaptureUnsupported); the engine warns, runs eager, and gives the eager engine's tokens."""
+    from model import ModelConfig, build_model
+    from model.config import load_yaml
+    from rollout_server import Engine, SamplingParams
+    m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"]), "cuda",
+                    torch.float32, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (1, 5, 17, 33)]
+    sp = SamplingParams(temperature=1.0, max_tokens=30, seed=1, ignore_eos=True)
+    with pytest.warns(UserWarning, match="CUDA graphs off"):
+        eng = Engine(m, fp8=True, dtype=torch.bfloat16, max_model_len=128)
+    assert not eng.runner.use_graphs
+    eager = Engine(m, fp8=True, dtype=torch.bfloat16, max_model_len=128, cuda_graphs=False)
+    for a, b in zip(eng.generate(prompts, sp), eager.generate(prompts, sp)):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_engine_graphs_match_eager_and_simple():
     from model import ModelConfig, build_model
     from model.config import load_yaml
