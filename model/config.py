@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,14 +109,14 @@ class ModelConfig:
             raise ConfigError(f"{key}: {msg}")
 
         ints = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio",
+                "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio",
                 "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings"]
         for k in ints:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 fail(k, f"must be a positive integer, got {v!r}")
-        for k in ["qk_rope_head_dim", "n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"]:
+        for k in ["n_shared_experts", "num_hash_layers", "num_nextn_predict_layers"]:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 fail(k, f"must be a non-negative integer, got {v!r}")
@@ -143,8 +144,11 @@ class ModelConfig:
             fail("csa_ratio", "must differ from hca_ratio (the ratio tells the layer type)")
         if not isinstance(self.compress_ratios, (list, tuple)):
             fail("compress_ratios", f"must be a list of per-layer ratios, got {self.compress_ratios!r}")
-        # Releases ship extra entries for the MTP layer(s); keep one per decoder layer.
-        self.compress_ratios = [int(r) for r in self.compress_ratios[: self.num_hidden_layers]]
+        for i, r in enumerate(self.compress_ratios):
+            if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+                fail(f"compress_ratios[{i}]", f"must be an integer, got {r!r}")
+        # (a release's extra entries for its MTP layers are cut by from_hf_config)
+        self.compress_ratios = [int(r) for r in self.compress_ratios]
         if len(self.compress_ratios) != self.num_hidden_layers:
             fail("compress_ratios", f"has {len(self.compress_ratios)} entries, need num_hidden_layers = "
                                     f"{self.num_hidden_layers}")
@@ -164,6 +168,10 @@ class ModelConfig:
                 for k in ("factor", "original_max_position_embeddings"):
                     if k not in self.rope_scaling:
                         fail(f"rope_scaling.{k}", "is required for yarn")
+                for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+                    v = self.rope_scaling.get(k)
+                    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0):
+                        fail(f"rope_scaling.{k}", f"must be a positive number, got {v!r}")
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -387,6 +395,8 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
         d = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
+        raise ConfigError(f"{path}: cannot read the config file ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     for item in overrides:

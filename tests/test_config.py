@@ -70,6 +70,12 @@ def test_ambiguous_compress_ratios_need_layer_types():
     ("model.qk_rope_head_dim=15", r"model\.qk_rope_head_dim: must be even"),
     ("model.n_routed_experts=300", r"model\.n_routed_experts: .*uint8"),
     ("model.rope_scaling={type: linear}", r"model\.rope_scaling\.type: only 'yarn'"),
+    # each of these was taken, then failed on every rank with a raw traceback, or ran with what was cut off
+    ("model.compress_ratios=[0,4,16,null]", r"model\.compress_ratios\[3\]: must be an integer, got None"),
+    ("model.compress_ratios=[0,4,16,4.5]", r"model\.compress_ratios\[3\]: must be an integer, got 4\.5"),
+    ("model.compress_ratios=[0,4,16,4,16]", r"model\.compress_ratios: has 5 entries, need num_hidden_layers = 4"),
+    ("model.rope_scaling.factor=abc", r"model\.rope_scaling\.factor: must be a positive number, got 'abc'"),
+    ("model.qk_rope_head_dim=0", r"model\.qk_rope_head_dim: must be a positive integer, got 0"),
 ])
 def test_yaml_validation_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,6 +91,8 @@ def test_overrides_and_file_errors(tmp_path):
         load_yaml("configs/tiny.yaml", ["model.hidden_size.x=1"])
     with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
         load_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="cannot read the config file .IsADirectoryError"):
+        load_yaml(tmp_path)
     (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
     with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
         load_yaml(tmp_path / "bad.yaml")
