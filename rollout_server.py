@@ -1831,7 +1831,8 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
             fault_point("generate")
             with phase(f"generation ({len(prompts)} prompts)"):
                 t0 = time.perf_counter()
-                outs = engine.generate(prompts, params)
+                # sequence i of the whole request samples with (seed, i) whichever group generates it
+                outs = engine.generate(prompts, params, first_index=meta.get("first_index", 0))
                 gen_s = time.perf_counter() - t0
             if reply:
                 m, ts = _pack_outputs(outs)
@@ -2023,7 +2024,9 @@ class RolloutClient:
         return self.replies.pop(ticket)
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], group_size: int = 1):
-        """Send prompts (whole groups of `group_size` kept together) to the rollout ranks; returns a handle."""
+        """Send prompts (whole groups of `group_size` kept together) to the rollout groups, each its share with
+        that share's index in the request (first_index), so the completions do not depend on how many rollout
+        groups there are; returns a handle."""
         n_groups = len(prompts) // group_size
         per = -(-n_groups // len(self.groups))
         handle = []
@@ -2032,7 +2035,7 @@ class RolloutClient:
             if a >= b:
                 continue
             meta = {"cmd": "generate", "prompt_lengths": [len(p) for p in prompts[a:b]],
-                    "params": [asdict(p) for p in params[a:b]]}
+                    "params": [asdict(p) for p in params[a:b]], "first_index": a}
             tokens = torch.tensor([t for p in prompts[a:b] for t in p], dtype=torch.int64)
             for r in ranks:
                 send_msg(meta, {"tokens": tokens}, r, self.device)
