@@ -890,14 +890,20 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
-        done = sorted(p for p in root.glob("step_*") if p.is_dir())
-        for old in done[:-cfg.ckpt.keep] if cfg.ckpt.keep > 0 else []:
-            gone = root / f".del_{old.name}"  # renamed first: never a half-deleted directory under a final name
-            os.replace(old, gone)
-            shutil.rmtree(gone, ignore_errors=True)
-        for junk in root.glob(".del_step_*"):  # left by a crash mid-deletion
-            shutil.rmtree(junk, ignore_errors=True)
+        prune_checkpoints(root, cfg.ckpt.keep)
     dist.barrier(group=d.actor_group)
+
+
+def prune_checkpoints(root: Path, keep: int):
+    """Delete all but the newest `keep` complete checkpoints (0: keep all). Complete ones only are counted: a
+    damaged one (no meta.json) is no stand-in for a newer complete one."""
+    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists())
+    for old in done[:-keep] if keep > 0 else []:
+        gone = root / f".del_{old.name}"  # renamed first: never a half-deleted directory under a final name
+        os.replace(old, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    for junk in root.glob(".del_step_*"):  # left by a crash mid-deletion
+        shutil.rmtree(junk, ignore_errors=True)
 
 
 def find_checkpoint(out: Path, resume: str) -> Path | None:
@@ -1028,6 +1034,23 @@ def _write_atomic(path: Path, text: str):
     os.replace(tmp, path)
 
 
+def set_aside(out: Path) -> Path | None:
+    """A run starting at step 0 in an out_dir whose checkpoints/ holds an earlier run's step_* directories: those
+    checkpoints and that run's metrics.jsonl move to out_dir/previous-<n>/, nothing deleted, so that --resume auto
+    and the keep rule see this run's checkpoints only. -> where they went (None: nothing to move)."""
+    if not any((out / "checkpoints").glob("step_*")):
+        return None
+    n = 1
+    while (out / f"previous-{n}").exists():
+        n += 1
+    dest = out / f"previous-{n}"
+    dest.mkdir()
+    for p in (out / "checkpoints", out / "metrics.jsonl"):
+        if p.exists():
+            os.replace(p, dest / p.name)
+    return dest
+
+
 def restore_metrics(path: Path, start: int):
     """On resume: keep the lines of steps up to the checkpoint (later steps are redone identically); a line cut
     short by a crash is dropped."""
@@ -1051,11 +1074,16 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
         print(f"task: {len(task.items)} training and {len(task.eval_items())} evaluation prompts; skipped or cut: "
               + ", ".join(f"{k} {v}" for k, v in task.load_stats.items()), flush=True)
     if start == 0:
+        moved = set_aside(out)
+        if moved is not None:
+            print(f"{out}: an earlier run's checkpoints and metrics.jsonl moved to {moved} (a run starting at step 0 "
+                  f"begins clean; --resume auto continues a run)", flush=True)
         _write_atomic(metrics_path, "")
         _write_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
     else:
         restore_metrics(metrics_path, start)
-        print(f"resumed from step {start}", flush=True)
+        print(f"resumed from step {start}" + (f": train.steps={cfg.train.steps} already reached, nothing to train"
+                                              if start >= cfg.train.steps else ""), flush=True)
     rdtype, fp8 = actor.sync_format()
     spec = actor.weight_spec(rdtype, fp8)
     rollout_peers = f"rollout ranks {d.rollout_ranks[0]}-{d.rollout_ranks[-1]}"

@@ -113,6 +113,31 @@ def test_nan_loss_steps_are_skipped_and_k_in_a_row_stop_the_run(ref, tmp_path):
     assert complete_checkpoints(out) == [2, 4]  # no checkpoint of the stopping step
 
 
+def test_an_earlier_runs_checkpoints_are_set_aside_and_damaged_ones_never_counted(tmp_path):
+    """A run starting at step 0 in an out_dir with an earlier run's checkpoints moves them (and its metrics) to
+    previous-<n>/: before, the keep rule counted the earlier run's newer steps (deleting this run's own) and
+    --resume auto took them up (another seed's weights; a gap in metrics.jsonl). The keep rule counts complete
+    checkpoints only: before, a damaged newer one (no meta.json) made it delete the checkpoint just written."""
+    from train_grpo import prune_checkpoints, set_aside
+    out = tmp_path / "run"
+    assert set_aside(out) is None  # a new out_dir: nothing to move
+    ck = out / "checkpoints"
+    for step in (2, 4):
+        (ck / f"step_{step:06d}").mkdir(parents=True)
+        (ck / f"step_{step:06d}" / "meta.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert set_aside(out) == out / "previous-1" and not ck.exists() and not (out / "metrics.jsonl").exists()
+    assert sorted(p.name for p in (out / "previous-1" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    (ck / "step_000001").mkdir(parents=True)
+    assert set_aside(out) == out / "previous-2"  # a damaged one alone is an earlier run's too
+    for step in (1, 2, 3):  # 2: damaged (meta.json gone), 1 and 3: complete
+        (ck / f"step_{step:06d}").mkdir(parents=True)
+        if step != 2:
+            (ck / f"step_{step:06d}" / "meta.json").write_text("{}")
+    prune_checkpoints(ck, 1)
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000003"]
+
+
 def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
     src = ref[0] / "checkpoints" / "step_000004"
     cfg = RunConfig.load("configs/tiny.yaml", recovery.SMALL)
