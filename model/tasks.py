@@ -150,18 +150,26 @@ def normalize_answer(s: str) -> str:
     return re.sub(r"\s+", "", s).lower()
 
 
+# a number as answers_match reads one: sign, digits, point, an exponent of at most 4 digits (a completion's
+# "1e999999999" would otherwise build a billion-digit integer)
+_LITERAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d{1,4})?")
+_DECIMAL = re.compile(r"[-+]?\d*\.\d+")
+
+
 def _as_number(s: str) -> Fraction | None:
-    s = s.replace("(", "").replace(")", "")
+    """A normalized answer as an exact number: a literal, or one literal over another (a \\frac); else None."""
+    parts = s.replace("(", "").replace(")", "").split("/")
+    if len(s) > 1000 or len(parts) > 2 or not all(_LITERAL.fullmatch(x) for x in parts):
+        return None
     try:
-        if "/" in s:
-            a, b = s.split("/", 1)
-            return Fraction(a) / Fraction(b)
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+        return Fraction(parts[0]) / Fraction(parts[1] if len(parts) == 2 else 1)
+    except ZeroDivisionError:
         return None
 
 
 def answers_match(pred: str | None, gold: str) -> bool:
+    """Equal after normalization, or equal as exact numbers (3.0 and 3, 1/2 and 0.5; integers exactly). A decimal
+    against a fraction (1/3) matches within a relative 1e-6 (0.3333333, not 0.33)."""
     if pred is None:
         return False
     p, g = normalize_answer(pred), normalize_answer(gold)
@@ -170,7 +178,10 @@ def answers_match(pred: str | None, gold: str) -> bool:
     a, b = _as_number(p), _as_number(g)
     if a is None or b is None:
         return False
-    return a == b or math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+    if a == b:
+        return True
+    return any(_DECIMAL.fullmatch(xs) and "/" in ys and abs(x - y) <= abs(y) * Fraction(1, 10 ** 6)
+               for x, xs, y, ys in ((a, p, b, g), (b, g, a, p)))
 
 
 def math_reward(completion: str, gold: str) -> float:
@@ -190,17 +201,27 @@ class JsonlTask:
             self._eval = self._read(Path(eval_path), strict)
             self.items = items
         else:  # hold out a fixed slice, chosen by content hash so it does not move when the file grows
-            ranked = sorted(items, key=lambda it: _bucket(it.prompt, 2 ** 31))
-            self._eval, held = ranked[:eval_size], {id(it) for it in ranked[:eval_size]}
-            self.items = [it for it in items if id(it) not in held]
+            # (one item a prompt: a prompt held out is held out with all its copies)
+            first = {}
+            for it in items:
+                first.setdefault(it.prompt, it)
+            self._eval = sorted(first.values(), key=lambda it: _bucket(it.prompt, 2 ** 31))[:eval_size]
+            held = {it.prompt for it in self._eval}
+            self.items = [it for it in items if it.prompt not in held]
         if not self.items:
-            raise ValueError(f"{path}: no training items left")
+            raise ValueError(f"{path}: no training items left ({len(items)} read, {self.bad_lines} malformed lines"
+                             + ("" if eval_path else f", {len(items) - len(self.items)} held out for evaluation: "
+                                                     f"task.eval_size={eval_size}") + ")")
 
     def _read(self, path: Path, strict: bool) -> list[Item]:
         if not path.exists():
             raise FileNotFoundError(f"{path}: dataset not found")
         out = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+        for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028 and kin)
             if not line.strip():
                 continue
             try:
@@ -208,7 +229,13 @@ class JsonlTask:
                 prompt, answer = d["prompt"], d["answer"]
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty or non-string prompt")
-                gold = extract_answer(str(answer)) if ("####" in str(answer) or "boxed" in str(answer)) else str(answer)
+                prompt.encode("utf-8")  # a lone surrogate (an escaped "\ud800") raises UnicodeEncodeError
+                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or (
+                        isinstance(answer, float) and not math.isfinite(answer)):
+                    raise ValueError(f"answer {answer!r}: a string or a finite number")
+                answer = str(answer)
+                answer.encode("utf-8")
+                gold = extract_answer(answer) if ("####" in answer or "boxed" in answer) else answer
                 if gold is None or not gold.strip():
                     raise ValueError("no final answer")
                 out.append(Item(prompt, gold))

@@ -52,6 +52,8 @@ def test_extract_answer(text, want):
     ("1,000", "1000", True), ("$1000.00", "1000", True), ("\\frac{1}{2}", "0.5", True), ("1/2", "0.50", True),
     ("50\\%", "50", True), ("\\text{72}", "72", True), ("-3", "3", False), ("x^{2}+1", "x^{2} + 1", True),
     ("0.3333333", "1/3", True), ("0.33", "1/3", False), ("\\dfrac{3}{4}", "3/4", True),
+    # integers exactly (a relative 1e-6 took these as equal), one fraction bar at most (1/2/3 was read as 1.5)
+    ("123456789", "123456700", False), ("1000001", "1000000", False), ("1/2/3", "1.5", False), ("1e3", "1000", True),
 ])
 def test_answers_match(pred, gold, ok):
     assert answers_match(pred, gold) is ok
@@ -61,6 +63,40 @@ def test_math_reward_and_normalize():
     assert math_reward("We get 12 + 30 = 42. \\boxed{42}", "42") == 1.0
     assert math_reward("#### 41", "42") == 0.0
     assert normalize_answer(" $ 3,500 . ") == "3500"
+
+
+def test_math_reward_never_raises_or_hangs_on_what_a_policy_writes():
+    """A number past float range raised OverflowError in the driver (ending the run), and a boxed 1e999999999 built
+    a billion-digit integer (the driver hung)."""
+    import time
+    assert math_reward("the answer is " + "9" * 400, "5") == 0.0
+    assert math_reward("9" * 400, "9" * 400) == 1.0
+    t0 = time.perf_counter()
+    assert math_reward("\\boxed{1e999999999}", "5") == 0.0 and math_reward("\\boxed{1e9999}", "5") == 0.0
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
+    """Lines with U+2028 / U+2029 / U+0085 in their strings were split apart (str.splitlines) and all refused; null,
+    boolean, list and NaN answers became gold answers ('None', 'True', ...); a lone surrogate raised in the hash;
+    copies of a held-out prompt stayed in training."""
+    ok = [{"prompt": f"q{i}\u2028\u2029\u0085?", "answer": i} for i in range(6)] + [{"prompt": "f", "answer": 2.5}]
+    bad = [{"prompt": "n", "answer": None}, {"prompt": "b", "answer": True}, {"prompt": "l", "answer": [1, 2]},
+           {"prompt": "s", "answer": float("nan")}]
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join([json.dumps(d, ensure_ascii=False) for d in ok + bad]
+                           + ['{"prompt": "\\ud800", "answer": "1"}'] + [json.dumps(d) for d in ok]) + "\n")
+    t = JsonlTask(f, seed=0, eval_size=1)  # every good prompt twice
+    assert t.bad_lines == 5
+    (held,) = t.eval_items()  # one prompt held out, with both its copies
+    assert held.prompt not in {it.prompt for it in t.items} and len(t.items) == 12
+    assert {it.answer for it in t.items} | {held.answer} == {"0", "1", "2", "3", "4", "5", "2.5"}
+    with pytest.raises(ValueError, match=r"t\.jsonl:8: malformed line \(answer None"):
+        JsonlTask(f, strict=True)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(12)))
+    with pytest.raises(ValueError, match=r"no training items left \(12 read, 0 malformed.*task\.eval_size=64"):
+        JsonlTask(small)
 
 
 def test_jsonl_task_bad_lines_and_split(tmp_path):
