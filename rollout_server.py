@@ -1640,6 +1640,7 @@ class Watchdog:
         self.rank, self.timeout = None, None
         self.name, self.peer, self.since, self.patience = "start-up", "", time.monotonic(), 1.0
         self.trace = os.environ.get("GRPO_PHASE_DIR")  # the recovery harness reads where a rank was when killed
+        self.raised_in = None  # where() of the innermost phase an exception left (the phases unwind before a report)
 
     def start(self, rank: int, timeout_s: float):
         self.rank, self.timeout, self.since = rank, timeout_s, time.monotonic()
@@ -1651,9 +1652,13 @@ class Watchdog:
         rank for a request): twice the patience, so the rank whose peer is actually stuck speaks first."""
         prev = self.name, self.peer, self.patience
         self.name, self.peer, self.since, self.patience = name, peer, time.monotonic(), 2.0 if idle else 1.0
+        self.raised_in = None  # (an exception an earlier phase left was handled: work goes on)
         self._trace()
         try:
             yield
+        except BaseException:
+            self.raised_in = self.raised_in or self.where()
+            raise
         finally:  # back in the enclosing phase, which has just made progress
             (self.name, self.peer, self.patience), self.since = prev, time.monotonic()
             self._trace()
@@ -2167,7 +2172,11 @@ def read_prompts(path: Path, tokenizer, vocab: int,
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
     -> (token ids, sampling parameters, line number) a prompt."""
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"{path}: not UTF-8 text ({e})") from None
+    for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028 and kin)
         if not line.strip():
             continue
         try:
@@ -2188,12 +2197,19 @@ def read_prompts(path: Path, tokenizer, vocab: int,
                 sp = replace(base, **over) if over else base
             except ValueError as e:
                 raise SystemExit(f"{path}:{n}: bad sampling parameters ({e})")
+            if "prompt_token_ids" in d and "prompt" in d:
+                raise SystemExit(f"{path}:{n}: prompt_token_ids or prompt, not both")
             if "prompt_token_ids" in d:
                 d = d["prompt_token_ids"]
             elif "prompt" in d:
                 if tokenizer is None:
                     raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
-                d = tokenizer.apply_chat(d["prompt"])
+                if not isinstance(d["prompt"], str) or not d["prompt"]:
+                    raise SystemExit(f"{path}:{n}: prompt = {json.dumps(d['prompt'])} is not a non-empty string")
+                try:
+                    d = tokenizer.apply_chat(d["prompt"])
+                except ValueError as e:
+                    raise SystemExit(f"{path}:{n}: prompt: {e}") from None
         if not isinstance(d, list) or not d or not all(map(_is_int, d)):
             raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
         bad = [t for t in d if not 0 <= t < vocab]
@@ -2250,6 +2266,13 @@ def main(argv=None):
             ap.error(f"--prompts {args.prompts}: no such file")
         if not args.out.resolve().parent.is_dir():
             ap.error(f"--out {args.out}: no directory {args.out.resolve().parent}")
+        if args.out.is_dir():
+            ap.error(f"--out {args.out}: a directory, not a file")
+        if args.out.resolve() == args.prompts.resolve():
+            ap.error(f"--out {args.out}: the prompts file itself")
+    elif args.engine == "paged" and args.prompt_len + args.max_tokens > args.max_model_len:
+        ap.error(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} exceed --max-model-len "
+                 f"{args.max_model_len}")
     if args.tokenizer and not Path(args.tokenizer).is_file():
         ap.error(f"--tokenizer {args.tokenizer}: no such file")
     yaml_model = args.model.endswith((".yaml", ".yml"))
@@ -2273,7 +2296,10 @@ def main(argv=None):
     tok = None
     if args.tokenizer:
         from model.tokenizer import HFTokenizer
-        tok = HFTokenizer(args.tokenizer, args.chat_template)
+        try:
+            tok = HFTokenizer(args.tokenizer, args.chat_template)
+        except (OSError, ValueError, ImportError) as e:
+            ap.error(f"--tokenizer / --chat-template: {e}")
     if not args.bench:
         lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
         for p, q, n in lines:  # the engine's own check names no line
@@ -2304,7 +2330,10 @@ def main(argv=None):
               f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
-    with open(args.out, "w") as f:  # a chunk's completions are on disk before the next chunk starts
+    # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one: an
+    # interrupted run leaves no file that looks complete, and an earlier --out stays as it was
+    partial = args.out.with_name(args.out.name + ".partial")
+    with open(partial, "w") as f:
         for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
             end = start + args.chunk
             for i, o in enumerate(engine.generate(prompts[start:end], params[start:end], first_index=start)):
@@ -2318,6 +2347,8 @@ def main(argv=None):
                     rec["index_entries"] = o.index_entries.tolist()
                 f.write(json.dumps(rec) + "\n")
             f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, args.out)
     print(f"wrote {len(prompts)} completions to {args.out}")
 
 

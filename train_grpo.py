@@ -1311,7 +1311,7 @@ def main(argv=None):
     except BaseException as e:
         sys.stdout.flush()
         traceback.print_exc()
-        sys.stderr.write(f"{WATCHDOG.where()}: {type(e).__name__}: {e}\n")
+        sys.stderr.write(f"{WATCHDOG.raised_in or WATCHDOG.where()}: {type(e).__name__}: {e}\n")
         sys.stderr.flush()
         os._exit(1)
     dist.destroy_process_group()

@@ -55,9 +55,17 @@ class HFTokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{path}: tokenizer file not found")
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises its own plain Exception for a bad file
+            raise ValueError(f"{path}: not a tokenizer the tokenizers package reads ({e})") from None
         if "{prompt}" not in template:
             raise ValueError(f"chat template {template!r} has no {{prompt}} placeholder")
+        try:
+            template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"chat template {template!r}: {type(e).__name__} {e} (it takes one placeholder, "
+                             f"{{prompt}}; write a literal brace as {{{{ or }}}})") from None
         self.template = template
         self.vocab_size = self.tok.get_vocab_size()
 
@@ -79,5 +87,8 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"a text prompt must be a string, got {prompt!r}")
+        prompt.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError (a ValueError) here, named
         ids = self.encode(self.template.format(prompt=prompt))
         return ([self.bos_id] if self.bos_id is not None else []) + ids

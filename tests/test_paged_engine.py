@@ -242,14 +242,67 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                       (["--model", "configs/tiny.yaml", *ok, "--n", "0"], "--n must be >= 1, got 0"),
                       (["--model", "configs/tiny.yaml", *ok, "--chunk", "0"], "--chunk must be >= 1"),
                       (["--model", "configs/tiny.yaml", *ok, "--temperature", "-1"], "temperature=-1.0"),
-                      (["--model", "configs/tiny.yaml", "--out", "o.jsonl"], "--prompts and --out are required")):
+                      (["--model", "configs/tiny.yaml", "--out", "o.jsonl"], "--prompts and --out are required"),
+                      # these three loaded the weights first, then failed
+                      (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path)],
+                       "a directory, not a file"),
+                      (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(src)],
+                       "the prompts file itself"),
+                      (["--model", "configs/tiny.yaml", "--bench", "--prompt-len", "100", "--max-model-len", "64"],
+                       "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
+                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],  # not a tokenizer.json:
+                       "--tokenizer / --chat-template: ")):  # a raw Exception from the tokenizers package before
         with pytest.raises(SystemExit):
             rollout_server.main(argv)
         assert msg in capsys.readouterr().err, argv
+    src.write_bytes(b"[1, 2]\n\xff\xfe\n")
+    with pytest.raises(SystemExit, match="p.jsonl: not UTF-8 text"):
+        rollout_server.main(["--model", "configs/tiny.yaml", *ok])
     src.write_text(json.dumps([1, 99999]) + "\n")
     with pytest.raises(SystemExit, match="p.jsonl:1: token id 99999 outside the model's vocabulary"):
         rollout_server.main(["--model", "configs/tiny.yaml", *ok])
 
+
+def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypatch):
+    """Text prompts (--tokenizer): a line whose text holds U+2028 (str.splitlines split it: 'not JSON'), a non-string
+    or empty prompt, or both prompt keys are refused naming the line (null was tokenized as the text 'None'); a
+    template with another placeholder is refused naming the flag (a raw KeyError before). An interrupted run leaves
+    <out>.partial, not a file that looks complete, and an earlier --out as it was (it was truncated at the start)."""
+    import json
+    import rollout_server
+    bpe(["a b c", "one two three", "x y"], vocab_size=60)
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(open("configs/tiny.yaml").read().replace("vocab_size: 14 ", "vocab_size: 64 "))
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    base = ["--model", str(cfg), "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompts", str(src), "--out",
+            str(out), "--max-tokens", "3", "--max-model-len", "64", "--chunk", "1"]
+    lines = [{"prompt": "a b\u2028c"}, {"prompt": "one two"}, [5, 6]]
+    src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    rollout_server.main(base)
+    assert [json.loads(x)["index"] for x in out.read_text().split("\n") if x] == [0, 1, 2]
+    for bad, msg in (({"prompt": None}, "p.jsonl:2: prompt = null is not a non-empty string"),
+                     ({"prompt": ""}, "p.jsonl:2: prompt = \"\" is not a non-empty string"),
+                     ({"prompt": "a", "prompt_token_ids": [1]}, "p.jsonl:2: prompt_token_ids or prompt, not both")):
+        src.write_text(json.dumps(lines[1]) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match=msg):
+            rollout_server.main(base)
+    with pytest.raises(SystemExit):
+        rollout_server.main([*base, "--chat-template", "{system} {prompt}"])
+    assert "--chat-template: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
+    src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    out.write_text("an earlier run's output\n")
+    calls, generate = [0], rollout_server.Engine.generate
+
+    def interrupted(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return generate(self, *a, **k)
+    monkeypatch.setattr(rollout_server.Engine, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main(base)
+    assert out.read_text() == "an earlier run's output\n"
+    assert [json.loads(x)["index"] for x in (tmp_path / "o.jsonl.partial").read_text().split("\n") if x] == [0]
 
 def test_stop_tokens_eos_and_limits(model):
     for e in (Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64),

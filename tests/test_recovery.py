@@ -113,6 +113,20 @@ def test_nan_loss_steps_are_skipped_and_k_in_a_row_stop_the_run(ref, tmp_path):
     assert complete_checkpoints(out) == [2, 4]  # no checkpoint of the stopping step
 
 
+def test_an_error_is_reported_in_the_phase_it_left():
+    """train_grpo's report of an exception names the innermost phase it left: the phases unwind before the report,
+    so every crash in the training loop read 'during start-up'."""
+    from rollout_server import Watchdog
+    w = Watchdog()
+    with pytest.raises(ZeroDivisionError):
+        with w.phase("step 3"), w.phase("rewards", "nobody"):
+            1 / 0
+    assert w.where() == "rank None: during start-up" and w.raised_in == "rank None: during rewards (waiting on nobody)"
+    with w.phase("step 4"):  # handled: the next phase clears it
+        pass
+    assert w.raised_in is None
+
+
 def test_an_earlier_runs_checkpoints_are_set_aside_and_damaged_ones_never_counted(tmp_path):
     """A run starting at step 0 in an out_dir with an earlier run's checkpoints moves them (and its metrics) to
     previous-<n>/: before, the keep rule counted the earlier run's newer steps (deleting this run's own) and
