@@ -2228,6 +2228,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, help="JSONL outputs")
     ap.add_argument("--tokenizer", help="tokenizer.json (for text prompts and decoded outputs)")
     ap.add_argument("--chat-template", default="{prompt}")
+    ap.add_argument("--bos-token", help="a token put before each text prompt (train_grpo's task.bos_token)")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
     ap.add_argument("--fp8-scale-fmt", choices=["fp32", "ue8m0"],
                     help="FP8 block scales (default: an FP8 checkpoint's own, its weights keeping their bits; "
@@ -2297,9 +2298,9 @@ def main(argv=None):
     if args.tokenizer:
         from model.tokenizer import HFTokenizer
         try:
-            tok = HFTokenizer(args.tokenizer, args.chat_template)
+            tok = HFTokenizer(args.tokenizer, args.chat_template, args.bos_token or None)
         except (OSError, ValueError, ImportError) as e:
-            ap.error(f"--tokenizer / --chat-template: {e}")
+            ap.error(f"--tokenizer / --chat-template / --bos-token: {e}")
     if not args.bench:
         lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
         for p, q, n in lines:  # the engine's own check names no line

@@ -251,7 +251,7 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                       (["--model", "configs/tiny.yaml", "--bench", "--prompt-len", "100", "--max-model-len", "64"],
                        "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
                       (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],  # not a tokenizer.json:
-                       "--tokenizer / --chat-template: ")):  # a raw Exception from the tokenizers package before
+                       "--tokenizer / --chat-template / --bos-token: ")):  # a raw Exception from the tokenizers package before
         with pytest.raises(SystemExit):
             rollout_server.main(argv)
         assert msg in capsys.readouterr().err, argv
@@ -278,8 +278,9 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
             str(out), "--max-tokens", "3", "--max-model-len", "64", "--chunk", "1"]
     lines = [{"prompt": "a b\u2028c"}, {"prompt": "one two"}, [5, 6]]
     src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
-    rollout_server.main(base)
-    assert [json.loads(x)["index"] for x in out.read_text().split("\n") if x] == [0, 1, 2]
+    rollout_server.main([*base, "--bos-token", "<s>"])  # as train_grpo's task.bos_token puts it
+    rows = [json.loads(x) for x in out.read_text().split("\n") if x]
+    assert [r["index"] for r in rows] == [0, 1, 2] and [r["prompt_token_ids"][0] for r in rows[:2]] == [1, 1]
     for bad, msg in (({"prompt": None}, "p.jsonl:2: prompt = null is not a non-empty string"),
                      ({"prompt": ""}, "p.jsonl:2: prompt = \"\" is not a non-empty string"),
                      ({"prompt": "a", "prompt_token_ids": [1]}, "p.jsonl:2: prompt_token_ids or prompt, not both")):
@@ -288,7 +289,7 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
             rollout_server.main(base)
     with pytest.raises(SystemExit):
         rollout_server.main([*base, "--chat-template", "{system} {prompt}"])
-    assert "--chat-template: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
+    assert "--bos-token: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
     src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     out.write_text("an earlier run's output\n")
     calls, generate = [0], rollout_server.Engine.generate
