@@ -109,8 +109,8 @@ class ModelConfig:
             raise ConfigError(f"{key}: {msg}")
 
         ints = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio",
-                "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
+                "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio",
+                "hca_ratio", "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings"]
         for k in ints:
             v = getattr(self, k)

@@ -250,8 +250,9 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "the prompts file itself"),
                       (["--model", "configs/tiny.yaml", "--bench", "--prompt-len", "100", "--max-model-len", "64"],
                        "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
-                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],  # not a tokenizer.json:
-                       "--tokenizer / --chat-template / --bos-token: ")):  # a raw Exception from the tokenizers package before
+                      # not a tokenizer.json: a raw Exception from the tokenizers package before
+                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],
+                       "--tokenizer / --chat-template / --bos-token: ")):
         with pytest.raises(SystemExit):
             rollout_server.main(argv)
         assert msg in capsys.readouterr().err, argv
