@@ -2172,11 +2172,12 @@ def read_prompts(path: Path, tokenizer, vocab: int,
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
     -> (token ids, sampling parameters, line number) a prompt."""
     out = []
+    from model.tasks import jsonl_lines
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"{path}: not UTF-8 text ({e})") from None
-    for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028 and kin)
+        lines = jsonl_lines(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

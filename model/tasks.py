@@ -26,6 +26,15 @@ class Item:
     answer: str
 
 
+def jsonl_lines(path: Path) -> list[str]:
+    """A JSONL file's lines, split on newlines only (str.splitlines also splits on U+2028, U+2029 and U+0085, which
+    JSON strings may hold), or a ValueError naming a file that is not UTF-8 text."""
+    try:
+        return path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+
+
 def _bucket(text: str, buckets: int) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % buckets
 
@@ -217,11 +226,7 @@ class JsonlTask:
         if not path.exists():
             raise FileNotFoundError(f"{path}: dataset not found")
         out = []
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e})") from None
-        for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028 and kin)
+        for n, line in enumerate(jsonl_lines(path), 1):
             if not line.strip():
                 continue
             try:
