@@ -66,7 +66,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from model import ModelConfig, build_model, save_pretrained
-from model.config import ConfigError, build_section, closest, load_yaml
+from model.config import ConfigError, build_section, closest, load_yaml, resolve_config
 from model.model import Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, reshard, sharded_actor)
@@ -283,6 +283,7 @@ class RunConfig:
 
     @classmethod
     def load(cls, path, overrides=()) -> "RunConfig":
+        path = resolve_config(path)
         d = load_yaml(path, overrides)
         top = {f.name for f in dataclasses.fields(cls)}
         for k in d:

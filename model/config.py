@@ -384,13 +384,27 @@ def parse_override(item: str):
     return key.split("."), value
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # the repo's configs/ (a checkout or an editable install)
+
+
+def resolve_config(path: str | Path) -> Path:
+    """path as given where it exists; a bare file name that does not (`--config dsv4.yaml`) is looked up in the
+    repo's configs/."""
+    path = Path(path)
+    if not path.exists() and path.name == str(path) and (CONFIGS / path).is_file():
+        return CONFIGS / path
+    return path
+
+
 def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
-    """Read a YAML mapping and apply dotted overrides (which may only set keys, never invent sections)."""
+    """Read a YAML mapping (resolve_config's path) and apply dotted overrides (which may only set keys, never
+    invent sections)."""
     import yaml
 
-    path = Path(path)
+    path = resolve_config(path)
     if not path.exists():
-        raise ConfigError(f"{path}: config file not found")
+        bare = path.name == str(path)
+        raise ConfigError(f"{path}: config file not found" + (f" (nor in {CONFIGS})" if bare else ""))
     try:
         d = _yaml(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from model.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, load_hf_config, load_yaml
+from model.config import CONFIGS, CSA, HCA, SLIDING, ConfigError, ModelConfig, load_hf_config, load_yaml
 
 # DeepSeek-V4-Flash's release config.json (the keys our loader reads, and some it must ignore)
 FLASH_RELEASE = {
@@ -89,8 +89,10 @@ def test_overrides_and_file_errors(tmp_path):
         load_yaml("configs/tiny.yaml", ["model.hidden_size"])
     with pytest.raises(ConfigError, match="not a section"):
         load_yaml("configs/tiny.yaml", ["model.hidden_size.x=1"])
-    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found$"):
         load_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found .nor in .*configs"):
+        load_yaml("nope.yaml")
     with pytest.raises(ConfigError, match="cannot read the config file .IsADirectoryError"):
         load_yaml(tmp_path)
     (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
@@ -119,3 +121,17 @@ def test_shipped_configs_load(name):
     assert {SLIDING, CSA, HCA} <= set(c.layer_types) and 0 < c.num_hash_layers < c.num_hidden_layers
     if name == "mini":
         assert 2e9 < c.param_counts()["total"] < 5e9
+
+
+def test_bare_config_name_found_in_configs(tmp_path, monkeypatch):
+    """`--config dsv4.yaml` (the design card's form) from anywhere: a bare name that is not a file here is the repo's
+    configs/<name>; a file of that name in the working directory comes first."""
+    from train_grpo import RunConfig
+    monkeypatch.chdir(tmp_path)
+    assert RunConfig.load("tiny.yaml", ["train.steps=3"]).train.steps == 3
+    assert load_yaml("dsv4.yaml")["model"]["num_hidden_layers"] == load_yaml(CONFIGS / "dsv4.yaml")["model"][
+        "num_hidden_layers"]
+    (tmp_path / "tiny.yaml").write_text("model: {hidden_size: 1}\n")
+    assert load_yaml("tiny.yaml") == {"model": {"hidden_size": 1}}
+    with pytest.raises(ConfigError, match="sub/tiny.yaml: config file not found$"):
+        load_yaml("sub/tiny.yaml")
