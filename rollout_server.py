@@ -224,14 +224,15 @@ class FP8Linear(nn.Module):
             return fp8_linear(x, self.qweight, self.scale)
         return fp8_gemm(*xq, self.qweight, self.scale, x.dtype).view(*x.shape[:-1], self.qweight.shape[0])
 
-    def grouped(self, x):
-        """x (..., G, K/G) -> (..., G, N/G): block-diagonal product with the G row groups of the weight."""
+    def grouped(self, x, xq=None):
+        """x (..., G, K/G) -> (..., G, N/G): block-diagonal product with the G row groups of the weight. xq: x's
+        rows already quantized per 1x128 tile (the decode attention kernel's), for the GEMM launch alone."""
         G = x.shape[-2]
         rows = self.qweight.shape[0] // G
         if rows % BLOCK or x.shape[-1] % BLOCK:
             w = self.weight.view(G, rows, -1)
             return torch.einsum("...gi,gri->...gr", x, w)
-        return fp8_linear_grouped(x, self.qweight, self.scale)
+        return fp8_linear_grouped(x, self.qweight, self.scale, xq=xq)
 
     @torch.no_grad()
     def load_(self, w: torch.Tensor):
@@ -1203,13 +1204,16 @@ class Runner:
         attn.project_kv(h, cos, sin, ins.get("wkv"), (c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
         if side is not None:
             here.wait_stream(side)
-        unrope = (cos, sin)  # the kernel rotates its output back (project_out's inverse RoPE)
+        # the kernel rotates its output back (project_out's inverse RoPE); with hq (the FP8 engine past GEMV_ROWS
+        # rows) it also stores its output quantized, for wo_a's FP8 GEMM
+        kw = dict(unrope=(cos, sin), fp8=None if hq is None else hq[0].dtype)
         if attn.compressor is None:
-            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, unrope=unrope)
+            out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, **kw)
         else:  # (top-k lists a row's valid entries first)
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
-                                   sel=sel, count=count, unrope=unrope)
-        return attn.project_out(out[None], None, None)
+                                   sel=sel, count=count, **kw)
+        out, oq = out if hq is not None else (out, None)
+        return attn.project_out(out[None], None, None, oq)
 
     def _decode_eager(self, inp):
         """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as

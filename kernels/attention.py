@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pdl, pdl_wait, pow2, tickets, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, tickets, triton, use_triton
+from .quant import fp8_max
 
 if triton is not None:
     import triton.language as tl
@@ -86,11 +87,15 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _store_out(ptr, o, mask, COS, SIN, b, d0, R: tl.constexpr, BD: tl.constexpr, D: tl.constexpr,
-                   HALF: tl.constexpr):
-        """Store o (R, BD) fp32, columns [d0, d0 + BD) of token b's D-wide heads, rounded to the output's dtype;
-        HALF > 0: then rotated back (unrope_ref's arithmetic on the rounded values) where the columns fall in a
-        head's last HALF pairs."""
+    def _store_out(OUT, offs, o, rmask, COS, SIN, b, d0, Q, S, srow, fmax, R: tl.constexpr, BD: tl.constexpr,
+                   D: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr):
+        """Store o (R, BD) fp32 at OUT + offs (R heads' columns [d0, d0 + BD), token b; rows where rmask),
+        rounded to the output's dtype; HALF > 0: then rotated back (unrope_ref's arithmetic on the rounded
+        values) where the columns fall in a head's last HALF pairs. QUANT (BD % 128 == 0): the stored values also
+        quantized per 1x128 tile, act_quant's bytes at Q + offs and the R * BD / 128 tiles' scales (row-major) at
+        S + srow + tile: the output projection's FP8 GEMM input."""
+        mask = rmask[:, None]
+        ptr = OUT + offs
         y = o.to(ptr.dtype.element_ty)
         if HALF > 0:
             ye, yo = tl.split(tl.reshape(y.to(tl.float32), (R, BD // 2, 2)))
@@ -100,19 +105,27 @@ if triton is not None:
             s = tl.load(SIN + b * HALF + j, mask=mj, other=0.0)[None, :]
             y = tl.reshape(tl.join(ye * c + yo * s, yo * c - ye * s), (R, BD)).to(ptr.dtype.element_ty)
         tl.store(ptr, y, mask=mask)
+        if QUANT:
+            NT: tl.constexpr = R * BD // 128
+            q, sc = quant_rows(tl.reshape(y.to(tl.float32), (NT, 128)), fmax)
+            tl.store(Q + offs, tl.reshape(q, (R, BD)).to(Q.dtype.element_ty), mask=mask)
+            tmask = tl.reshape(tl.broadcast_to(mask, (R, BD // 128)), (NT,))
+            tl.store(S + srow + tl.arange(0, NT), sc, mask=tmask)
 
     @triton.jit
     def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, COS, SIN,
-                            scale, H, max_blocks, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr,
+                            OQ, OS, scale, H, max_blocks, fmax, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr,
                             KSEL: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr,
                             DYNAMIC: tl.constexpr, NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_K: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
         sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
         the sinks, normalizes and stores OUT. Else it stores its running max, sum and unnormalized output (PM, PL,
         PACC) for _decode_combine_kernel, or (MERGE) the last of the NS programs of (token, head block) to finish
         (a ticket counter in CNT, reset to 0 after) merges them in split order with the sinks: the same sum
-        whichever finishes last. HALF > 0: the stored output is rotated back (_store_out)."""
+        whichever finishes last. HALF > 0: the stored output is rotated back; QUANT: also stored quantized in OQ /
+        OS (_store_out)."""
         pdl_wait(PDL)
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -150,12 +163,14 @@ if triton is not None:
                 k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
         sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
-        out = OUT + (b * H + rh[:, None]) * D + rd[None, :]
+        offs = (b * H + rh[:, None]) * D + rd[None, :]
+        srow = (b * H + hb * BLOCK_H) * (D // 128)  # the block's first 1x128 tile (QUANT)
         if NS == 1:  # one split: add the sinks and normalize here
             m_new = tl.maximum(m, sink)
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.exp(sink - m_new)
-            _store_out(out, acc * alpha[:, None] / l[:, None], mh[:, None], COS, SIN, b, 0, BLOCK_H, D, D, HALF)
+            _store_out(OUT, offs, acc * alpha[:, None] / l[:, None], mh, COS, SIN, b, 0, OQ, OS, srow, fmax,
+                       BLOCK_H, D, D, HALF, QUANT)
         else:
             row = (b * H + rh) * NS
             tl.store(PM + row + sp, m, mask=mh)
@@ -175,14 +190,16 @@ if triton is not None:
                     tot += tl.load(PL + row + s, mask=mh, other=0.0, cache_modifier=".cg") * w
                     acc += tl.load(PACC + (row + s)[:, None] * D + rd[None, :], mask=mh[:, None], other=0.0,
                                    cache_modifier=".cg") * w[:, None]
-                _store_out(out, acc / tot[:, None], mh[:, None], COS, SIN, b, 0, BLOCK_H, D, D, HALF)
+                _store_out(OUT, offs, acc / tot[:, None], mh, COS, SIN, b, 0, OQ, OS, srow, fmax, BLOCK_H, D, D,
+                           HALF, QUANT)
                 tl.store(CNT + tile, 0)
 
     @triton.jit
-    def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, COS, SIN, H, D: tl.constexpr, NS: tl.constexpr,
-                               NSP: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
-                               PDL: tl.constexpr = False):
-        """One (token, head): the NS splits' partial softmaxes merged with the sink's logit, normalized."""
+    def _decode_combine_kernel(PM, PL, PACC, SINK, OUT, COS, SIN, OQ, OS, H, fmax, D: tl.constexpr,
+                               NS: tl.constexpr, NSP: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
+                               QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+        """One (token, head), BLOCK_D columns: the NS splits' partial softmaxes merged with the sink's logit,
+        normalized (QUANT: BLOCK_D 128, one tile, also stored quantized)."""
         pdl_wait(PDL)
         r, db = tl.program_id(0), tl.program_id(1)
         rs = tl.arange(0, NSP)
@@ -196,8 +213,8 @@ if triton is not None:
         rd = db * BLOCK_D + tl.arange(0, BLOCK_D)
         acc = tl.load(PACC + (r * NS + rs[:, None]) * D + rd[None, :], mask=ms[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tot
-        _store_out(OUT + r * D + rd[None, :], out[None, :], rd[None, :] < D, COS, SIN, r // H, db * BLOCK_D, 1,
-                   BLOCK_D, D, HALF)
+        _store_out(OUT, r * D + rd[None, :], out[None, :], tl.full((1,), 1, tl.int1), COS, SIN, r // H,
+                   db * BLOCK_D, OQ, OS, r * (D // BLOCK_D) + db, fmax, 1, BLOCK_D, D, HALF, QUANT)
 
 
 def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, int, int, bool]:
@@ -217,15 +234,23 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, i
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
-                     splits: int | None = None, merge: bool | None = None, unrope=None):
+                     splits: int | None = None, merge: bool | None = None, unrope=None, fp8=None):
     """decode_attention_ref's result: the key range split `splits` ways per (token, head block), merged with the
-    sinks by the last split to finish or by a combine kernel (_attn_plan; merge=True / False forces either)."""
+    sinks by the last split to finish or by a combine kernel (_attn_plan; merge=True / False forces either).
+    fp8 (an FP8 dtype): -> (out, oq) with oq the output's (B, H * d) rows quantized per 1x128 tile as act_quant
+    gives them, (q, scales), stored by the same kernels (the output projection's FP8 GEMM input), or None where
+    they do not make them (d not a multiple of 128, no Triton)."""
     B, H, d = q.shape
     half = 0 if unrope is None else unrope[0].shape[-1]
+    quant = fp8 is not None and d % 128 == 0
     if not use_triton(q) or d < 16 or d & (d - 1):
-        return decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count, unrope)
+        out = decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count, unrope)
+        return out if fp8 is None else (out, None)
     cos, sin = (t.float().contiguous() for t in unrope) if half else (q, q)
     out = torch.empty_like(q)
+    oq = torch.empty(B, H * d, dtype=fp8, device=q.device) if quant else out
+    osc = torch.empty(B, H * d // 128, dtype=torch.float32, device=q.device) if quant else out
+    fmax = fp8_max(fp8) if quant else 1.0
     mode = 0 if pool is None else (1 if sel is not None else 2)
     dummy = slots
     bh = 16
@@ -244,16 +269,19 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
             tickets(q.device, B * hb) if fuse and ns > 1 else pm,
             pool if pool is not None else win, table if table is not None else dummy,
             sel.contiguous() if sel is not None else dummy, count if count is not None else dummy, cos, sin,
-            scale, H, table.shape[1] if table is not None else 0,
+            oq, osc, scale, H, table.shape[1] if table is not None else 0, fmax,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
-            HALF=half, num_warps=8 if d >= 256 else 4, num_stages=stages, **pdl(q))
+            HALF=half, QUANT=quant and (ns == 1 or fuse), num_warps=8 if d >= 256 else 4, num_stages=stages,
+            **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)
-            _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, cos, sin, H, D=d, NS=ns,
-                                                     NSP=max(2, pow2(ns)), BLOCK_D=bd, HALF=half, num_warps=4,
-                                                     **pdl(q))
-    return out
+            _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, cos, sin, oq, osc, H, fmax, D=d, NS=ns,
+                                                     NSP=max(2, pow2(ns)), BLOCK_D=bd, HALF=half, QUANT=quant,
+                                                     num_warps=4, **pdl(q))
+    if fp8 is None:
+        return out
+    return out, ((oq, osc) if quant else None)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -564,12 +564,16 @@ def small_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return fp8_linear_fused(x2, w, None).view(*x.shape[:-1], w.shape[0])
 
 
-def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fused: bool = True) -> torch.Tensor:
+def fp8_linear_grouped(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, fused: bool = True,
+                       xq=None) -> torch.Tensor:
     """x (..., G, K/G) -> (..., G, N/G): the block-diagonal product with the G row groups of the weight (N/G and
     K/G multiples of 128): one act_quant over the G*K/G row (its 1x128 tiles never straddle groups) and one
-    grouped GEMM launch; fused=False runs one fp8_linear per group (the twin)."""
+    grouped GEMM launch; fused=False runs one fp8_linear per group (the twin). xq: x's (rows, G*K/G) already
+    quantized, (q, scales) as act_quant gives them: the GEMM launch alone."""
     G, Kg = x.shape[-2:]
     rows, r = wq.shape[0] // G, wq.shape[0] // G // BLOCK
+    if xq is not None:
+        return fp8_gemm(*xq, wq, sw, x.dtype, groups=G).view(*x.shape[:-1], rows)
     if not fused:
         return torch.stack([fp8_linear(x[..., g, :], wq[g * rows:(g + 1) * rows], sw[g * r:(g + 1) * r])
                             for g in range(G)], dim=-2)

@@ -469,15 +469,16 @@ class Attention(nn.Module):
             store[0][store[1]] = y.reshape(-1, y.shape[-1]).to(store[0].dtype)
         return y
 
-    def project_out(self, o, cos, sin):
+    def project_out(self, o, cos, sin, oq=None):
         """o (B, T, H, d) attention output -> (B, T, D). Inverse RoPE undoes V's rotation at the query position
-        (cos None: o has it already, as the rollout engine's decode attention kernel gives it)."""
+        (cos None: o has it already, as the rollout engine's decode attention kernel gives it). oq: o's rows
+        quantized per 1x128 tile (that kernel's, for the FP8 engine's wo_a), or None."""
         B, T = o.shape[:2]
         if cos is not None:
             o = apply_rope(o, cos.unsqueeze(-2), sin.unsqueeze(-2), inverse=True)
         g = o.reshape(B, T, self.o_groups, -1)
         if hasattr(self.wo_a, "grouped"):  # the rollout engine's FP8 holder: one FP8 GEMM per group
-            return self.wo_b(self.wo_a.grouped(g).flatten(2))
+            return self.wo_b(self.wo_a.grouped(g, oq).flatten(2))
         wa = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])  # (G, R, H*d/G)
         return self.wo_b(grouped_linear(g, wa).flatten(2))
 

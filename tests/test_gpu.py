@@ -247,6 +247,13 @@ def test_decode_attention(mode):
                                  unrope=(cs[0][:B1], cs[1][:B1]), **kw1)
             c = unrope_ref(a, cs[0][:B1], cs[1][:B1])
             assert torch.equal(b[..., :-64], a[..., :-64]) and rel(b[..., -64:], c[..., -64:]) < 1e-3, (splits, B1)
+            # the output also stored quantized (the FP8 engine's wo_a input): act_quant's bytes of that output
+            o, (oq, osc) = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5, splits=splits,
+                                            merge=merge, unrope=(cs[0][:B1], cs[1][:B1]), fp8=fp8_dtype("cuda"),
+                                            **kw1)
+            q2, s2 = act_quant(o.reshape(B1, -1), fp8_dtype("cuda"))
+            assert torch.equal(o, b) and torch.equal(osc, s2), (splits, B1)
+            assert torch.equal(oq.view(torch.uint8), q2.view(torch.uint8)), (splits, B1)
     assert int(tickets(q.device, 1).abs().sum()) == 0  # the merges put every ticket back
 
 

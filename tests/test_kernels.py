@@ -224,6 +224,20 @@ INTERPRETED = textwrap.dedent("""
             cs = (torch.randn(B, 4, generator=g), torch.randn(B, 4, generator=g))
             b = decode_attention(qq, win, slots, pos, sink, 0.3, splits=splits, merge=merge, unrope=cs, **kw)
             assert (b - unrope_ref(a, *cs)).abs().max() < 1e-5 and torch.equal(b[..., :-8], a[..., :-8]), splits
+    # the output also stored quantized per 1x128 tile (the FP8 engine's wo_a input): act_quant's bytes of the
+    # stored (rotated) output, at one split, merged in the kernel and by the combine kernel; 3 heads of a
+    # 16-head block (the rest masked); d 64: none
+    q3, win3 = torch.randn(B, 3, 256, generator=g), torch.randn(5, W, 256, generator=g)
+    pool3 = torch.randn(10, BE, 256, generator=g)
+    cs = (torch.randn(B, 8, generator=g), torch.randn(B, 8, generator=g))
+    for splits, merge in ((1, None), (3, True), (3, False)):
+        o, (oq, osc) = decode_attention(q3, win3, slots, pos, sink[:3], 0.1, pool3, table, sel, nsel, splits=splits,
+                                        merge=merge, unrope=cs, fp8=torch.float8_e4m3fn)
+        assert torch.equal(o, decode_attention(q3, win3, slots, pos, sink[:3], 0.1, pool3, table, sel, nsel,
+                                               splits=splits, merge=merge, unrope=cs))
+        q2_, s2_ = act_quant_kernel(o.reshape(B, -1), torch.float8_e4m3fn)
+        assert torch.equal(osc, s2_) and torch.equal(oq.view(torch.uint8), q2_.view(torch.uint8)), (splits, merge)
+    assert decode_attention(qq, win, slots, pos, sink, 0.3, fp8=torch.float8_e4m3fn)[1] is None
     assert tickets_left(x.device) == 0
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
