@@ -184,8 +184,28 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, d: dict, where: str = "config.json") -> "ModelConfig":
-        """Lenient: reads the official release naming or the transformers naming, ignores the rest."""
-        g = dict(d.get("text_config", d))
+        """Lenient: reads the official release naming or the transformers naming, ignores the keys that do not
+        change the model. Keys that would (another activation, RoPE type or YaRN attention factor) are errors."""
+        def bad(key, rule, v):
+            raise ConfigError(f"{where}: {key}: {rule}, got {v!r}")
+
+        def whole(key, v):
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(key, "must be an integer", v)
+            return v
+
+        def listed(key):
+            v = g.get(key)
+            if v is not None and not isinstance(v, list):
+                bad(key, "must be a list", v)
+            return v
+
+        if not isinstance(d, dict):
+            bad("top level", "must be a JSON object", type(d).__name__)
+        g = d["text_config"] if d.get("text_config") is not None else d
+        if not isinstance(g, dict):
+            bad("text_config", "must be a JSON object", g)
+        g = dict(g)
         out: dict[str, Any] = {}
         direct = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                   "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
@@ -199,25 +219,34 @@ class ModelConfig:
                 out[k] = g[k]
         # norm_topk_prob is not read: DeepSeek-V4 divides the top-k weights by their sum whatever it says
         # (transformers' DeepseekV4 routers ignore it; the YAML key stays a research switch)
+        if g.get("hidden_act", "silu") != "silu":  # transformers applies it in every expert; ours are SwiGLU
+            bad("hidden_act", "only 'silu' (DeepSeek-V4's SwiGLU experts)", g["hidden_act"])
         if isinstance(out.get("eos_token_id"), list):
             out["eos_token_id"] = out["eos_token_id"][0] if out["eos_token_id"] else None
-        n = out.get("num_hidden_layers", cls.num_hidden_layers)
-        head_dim = out.get("head_dim", cls.head_dim)
-        if "qk_rope_head_dim" not in out and g.get("partial_rotary_factor") is not None:
-            out["qk_rope_head_dim"] = int(head_dim * g["partial_rotary_factor"])
+        n = whole("num_hidden_layers", out.get("num_hidden_layers", cls.num_hidden_layers))
+        head_dim = whole("head_dim", out.get("head_dim", cls.head_dim))
+        if "qk_rope_head_dim" not in out:  # transformers: head_dim x partial_rotary_factor (default 64 / 512)
+            prf = g.get("partial_rotary_factor")
+            prf = 64 / 512 if prf is None else prf
+            if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+                bad("partial_rotary_factor", "must be a number in (0, 1]", prf)
+            out["qk_rope_head_dim"] = int(head_dim * prf)
 
         # attention layer schedule
         rates = g.get("compress_rates") or {}
-        csa = int(rates.get(CSA, g.get("compress_rate_csa", 4)))
-        hca = int(rates.get(HCA, g.get("compress_rate_hca", 128)))
-        if g.get("layer_types") is not None:
+        if not isinstance(rates, dict):
+            bad("compress_rates", "must be an object {layer type: ratio}", rates)
+        csa = whole(f"compress_rates.{CSA}", rates.get(CSA, g.get("compress_rate_csa", 4)))
+        hca = whole(f"compress_rates.{HCA}", rates.get(HCA, g.get("compress_rate_hca", 128)))
+        if listed("layer_types") is not None:
             lt = g["layer_types"][:n]
-            bad = [t for t in lt if t not in (SLIDING, CSA, HCA)]
-            if bad:
-                raise ConfigError(f"{where}: layer_types has unknown entries {bad}")
+            unknown = [t for t in lt if t not in (SLIDING, CSA, HCA)]
+            if unknown:
+                raise ConfigError(f"{where}: layer_types has unknown entries {unknown}")
             out["compress_ratios"] = [0 if t == SLIDING else csa if t == CSA else hca for t in lt]
-        elif g.get("compress_ratios") is not None:
-            ratios = [0 if int(r) in (0, 1) else int(r) for r in g["compress_ratios"][:n]]
+        elif listed("compress_ratios") is not None:
+            ratios = [whole(f"compress_ratios[{i}]", r) for i, r in enumerate(g["compress_ratios"][:n])]
+            ratios = [0 if r in (0, 1) else r for r in ratios]
             distinct = sorted({r for r in ratios if r})
             if len(distinct) == 2:
                 csa, hca = distinct
@@ -230,37 +259,49 @@ class ModelConfig:
         out["csa_ratio"], out["hca_ratio"] = csa, hca
 
         # MoE schedule
-        if g.get("mlp_layer_types") is not None:
+        if listed("mlp_layer_types") is not None:
             mt = list(g["mlp_layer_types"][:n])
             n_hash = sum(1 for t in mt if t == "hash_moe")
             if mt[:n_hash] != ["hash_moe"] * n_hash:
                 raise ConfigError(f"{where}: mlp_layer_types must put every hash_moe layer first, got {mt}")
             out["num_hash_layers"] = n_hash
 
-        # RoPE: official `rope_scaling` or transformers' nested `rope_parameters`
+        # RoPE: official `rope_scaling` or transformers' nested `rope_parameters`. DeepSeek-V4: plain RoPE on the
+        # sliding layers (main), YaRN or plain on the compressed ones (compress), cos / sin never scaled
+        def yarn_of(rs, key):  # -> our rope_scaling (None: plain)
+            if not isinstance(rs, dict):
+                bad(key, "must be an object", rs)
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            if kind in ("default", None):
+                return None
+            if kind != "yarn":
+                bad(f"{key}.rope_type", "only 'yarn' or 'default' (DeepSeek-V4's RoPE)", kind)
+            if rs.get("attention_factor") not in (None, 1, 1.0):
+                bad(f"{key}.attention_factor", "DeepSeek-V4 does not scale cos / sin: 1.0 or absent",
+                    rs["attention_factor"])
+            # (transformers reads YaRN's `truncate` from the top of rope_parameters, never the nested compress
+            # entry, so it always takes whole correction dims, as DeepSeek's reference does, and as we do)
+            y = {k: rs[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+                 if k in rs}
+            return {**y, "type": "yarn"}
         rp = g.get("rope_parameters")
         if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
             comp, main = rp["compress"], rp.get("main", {})
+            if yarn_of(main, "rope_parameters.main") is not None:
+                bad("rope_parameters.main.rope_type", "'default': DeepSeek-V4's sliding layers take plain RoPE",
+                    main.get("rope_type", main.get("type")))
             if "rope_theta" in main:
                 out["rope_theta"] = main["rope_theta"]
             if "rope_theta" in comp:
                 out["compress_rope_theta"] = comp["rope_theta"]
-            if comp.get("rope_type", comp.get("type", "default")) == "yarn":
-                out["rope_scaling"] = {k: comp[k] for k in ("factor", "original_max_position_embeddings",
-                                                            "beta_fast", "beta_slow") if k in comp}
-                out["rope_scaling"]["type"] = "yarn"
-            else:
-                out["rope_scaling"] = None
+            out["rope_scaling"] = yarn_of(comp, "rope_parameters.compress")
         else:
+            key = "rope_scaling" if g.get("rope_scaling") is not None else "rope_parameters"
             rs = g.get("rope_scaling", rp if isinstance(rp, dict) and rp else None)
-            if isinstance(rs, dict) and rs.get("type", rs.get("rope_type")) == "yarn":
-                out["rope_scaling"] = {k: rs[k] for k in ("factor", "original_max_position_embeddings",
-                                                          "beta_fast", "beta_slow") if k in rs}
-                out["rope_scaling"]["type"] = "yarn"
-                if isinstance(rp, dict) and rp.get("rope_theta") and "rope_theta" not in g:
-                    out["rope_theta"] = rp["rope_theta"]
-            else:
-                out["rope_scaling"] = None
+            out["rope_scaling"] = None if rs is None else yarn_of(rs, key)
+            if out["rope_scaling"] is not None and isinstance(rp, dict) and rp.get("rope_theta") \
+                    and "rope_theta" not in g:
+                out["rope_theta"] = rp["rope_theta"]
         return cls.from_dict(out, where)
 
     def to_hf_config(self, quantization: dict | None = None) -> dict:
@@ -332,6 +373,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         d = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
+        raise ConfigError(f"{f}: cannot read ({type(e).__name__}: {e})") from None
     cfg = ModelConfig.from_hf_config(d, where=str(f))
     if path.is_dir():  # the shared experts as the checkpoint holds them (transformers writes one of any count)
         from .weights import shared_experts_held

@@ -960,7 +960,21 @@ class Transformer(nn.Module):
         logits / temperature, zero where the mask is 0; the entropy summed over the masked positions) with the
         head applied only at masked positions, in chunks, so a 129k vocabulary never makes (B, T, V) logits.
         """
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point()
+                or input_ids.is_complex() or input_ids.dtype == torch.bool):
+            raise ValueError(f"input_ids must be an integer tensor (B, T), got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}"
+                             f"{' ' + str(input_ids.dtype) if isinstance(input_ids, torch.Tensor) else ''}")
         B, T = input_ids.shape
+        if not B or not T:
+            raise ValueError(f"input_ids (B, T) = {(B, T)}: at least one row of at least one token")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            input_ids = input_ids.long()
+        if input_ids.device.type == "cpu":  # (on a GPU an id out of range is the embedding's device-side assert)
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"input_ids: token id {lo if lo < 0 else hi} outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
         if attention_mask is not None:
             m = attention_mask.to(torch.int64)
             if (m[:, 1:] > m[:, :-1]).any():

@@ -93,8 +93,10 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     if index.exists():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WeightError(f"{index}: not a safetensors index ({e})") from None
+        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError) as e:
+            raise WeightError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f for f in wm.values()):
+            raise WeightError(f"{index}: weight_map must map tensor names to shard file names")
         files = sorted({path / f for f in wm.values()})
         for f in files:
             if not f.exists():
@@ -106,7 +108,11 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     wm = {}
     for f in files:
         with _open(f) as h:
-            wm.update({k: f.name for k in h.keys()})
+            for k in h.keys():
+                if k in wm:
+                    raise WeightError(f"{path}: tensor '{k}' is in both {wm[k]} and {f.name} (and no "
+                                      f"model.safetensors.index.json says which to read)")
+                wm[k] = f.name
     return files, wm
 
 
@@ -126,30 +132,48 @@ class _Shards:
             raise WeightError(f"{self.root / fname}: cannot read tensor '{key}' ({e})") from None
 
     def is_scale(self, key: str) -> bool:
-        """`<m>.scale` / `<m>.weight_scale_inv` next to a `<m>.weight` (not e.g. transformers' `attn_hc.scale`)."""
+        """`<m>.scale` / `<m>.weight_scale_inv` next to a `<m>.weight` (not e.g. transformers' `attn_hc.scale`), or
+        `<t>_scale_inv` next to a `<t>` (transformers' FP8 fused experts: `experts.gate_up_proj_scale_inv`)."""
         for suf in _SCALE_SUFFIXES:
             if key.endswith(suf) and key[: -len(suf)] + ".weight" in self.wm:
                 return True
-        return False
+        return key.endswith("_scale_inv") and key[: -len("_scale_inv")] in self.wm
+
+    @staticmethod
+    def scale_names(key: str) -> list[str]:
+        if key.endswith(".weight"):
+            return [key[: -len(".weight")] + suf for suf in _SCALE_SUFFIXES]
+        return [key + "_scale_inv"]
 
     def scale_for(self, key: str) -> str | None:
-        base = key[: -len(".weight")] if key.endswith(".weight") else key
-        for suf in _SCALE_SUFFIXES:
-            if base + suf in self.wm:
-                return base + suf
-        return None
+        return next((k for k in self.scale_names(key) if k in self.wm), None)
 
 
-def _decode(key: str, t: torch.Tensor, shards: _Shards, device) -> torch.Tensor:
-    """Raw checkpoint tensor -> a floating (or integer) tensor on `device`, dequantized if it has a scale."""
-    scale_key = shards.scale_for(key) if key.endswith(".weight") else None
-    if t.dtype in FLOAT8:
-        if scale_key is None:
-            raise WeightError(f"tensor '{key}' is {t.dtype} but has no block scale "
-                              f"('{key[:-7]}.scale' or '{key[:-7]}.weight_scale_inv')")
-        return dequant_fp8_block(t.to(device), shards.get(scale_key).to(device), torch.float32, BLOCK)
-    if t.dtype in FP4 and scale_key is not None:
-        return dequant_mxfp4(t.to(device), shards.get(scale_key).to(device), torch.float32)
+def _decode(key: str, t: torch.Tensor, shards: _Shards, device, halves: int = 1) -> torch.Tensor:
+    """Raw checkpoint tensor -> a floating (or integer) tensor on `device`, dequantized if it has a scale.
+    halves 2 (a fused gate_up_proj): FP8 block scales may cover the gate and up halves apart (transformers gives
+    each half its own rows of blocks where the half is not a whole number of 128-row blocks)."""
+    scale_key = shards.scale_for(key)
+    if t.dtype in FLOAT8 and scale_key is None:
+        raise WeightError(f"tensor '{key}' is {t.dtype} but has no block scale "
+                          f"({' or '.join(repr(k) for k in shards.scale_names(key))})")
+    if t.dtype in FLOAT8 or (t.dtype in FP4 and scale_key is not None):
+        s = shards.get(scale_key).to(device)
+        t = t.to(device)
+        if s.ndim != t.ndim or s.shape[:-2] != t.shape[:-2]:
+            raise WeightError(f"tensor '{key}' {tuple(t.shape)}: its scale '{scale_key}' has shape "
+                              f"{tuple(s.shape)}")
+        try:
+            if t.dtype in FP4:
+                return dequant_mxfp4(t, s, torch.float32)
+            n = t.shape[-2] // halves
+            if halves > 1 and s.shape[-2] == halves * -(-n // BLOCK):  # each half its own block rows
+                r = s.shape[-2] // halves
+                return torch.cat([dequant_fp8_block(t[..., h * n:(h + 1) * n, :], s[..., h * r:(h + 1) * r, :],
+                                                    torch.float32, BLOCK) for h in range(halves)], -2)
+            return dequant_fp8_block(t, s, torch.float32, BLOCK)
+        except ValueError as e:
+            raise WeightError(f"tensor '{key}' with scale '{scale_key}': {e}") from None
     if t.dtype in FLOATS or t.dtype in INTS:
         return t.to(device)
     raise WeightError(f"tensor '{key}' has unsupported dtype {t.dtype}")
@@ -177,7 +201,22 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
     targets = dict(model.state_dict(keep_vars=True))
     tied = model.cfg.tie_word_embeddings
     filled: set = set()
+    sources: dict = {}  # what each model tensor (or (experts leaf, expert)) is loaded from
     experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    E = model.cfg.n_routed_experts
+
+    def claim(target, key):
+        """One checkpoint tensor per model tensor: two (e.g. `model.norm.weight` and `norm.weight`) are an error,
+        not the later one winning."""
+        if target in sources:
+            what = target if isinstance(target, str) else f"{target[0]} of expert {target[1]}"
+            raise WeightError(f"{path}: tensors '{sources[target]}' and '{key}' both load '{what}'")
+        sources[target] = key
+
+    def check_kind(label, src, dst):
+        if src.is_floating_point() != dst.is_floating_point():
+            raise WeightError(f"tensor '{label}': {src.dtype} in the checkpoint, the model holds {dst.dtype}"
+                              + (" (packed FP4 needs its scale)" if src.dtype in FP4 else ""))
 
     def put(name, dst, src, label):
         start, n = _rows(dst)
@@ -185,6 +224,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
         if full_shape != tuple(src.shape):
             raise WeightError(f"tensor '{label}': shape {tuple(src.shape)} in the checkpoint, the model "
                               f"(config.json) expects {full_shape}")
+        check_kind(label, src, dst)
         with torch.no_grad():
             _local(dst).copy_(src[start:start + n].to(_local(dst).dtype))
         filled.add(name)
@@ -210,7 +250,11 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                 if mod is None:
                     raise WeightError(f"tensor '{key}': no layer '{m.group(1)}' in this config")
                 if m.re is _EXPERT:
-                    e = int(m.group(2)) - mod.expert_offset
+                    g = int(m.group(2))
+                    if g >= E:
+                        raise WeightError(f"tensor '{key}': expert {g}, but config.json has n_routed_experts = {E}")
+                    claim((f"{m.group(1)}.{m.group(3)}", g), key)
+                    e = g - mod.expert_offset
                     rows, start = own_experts(mod, m.group(3))
                     if e in rows:
                         t = _decode(key, shards.get(key), shards, device)
@@ -218,15 +262,24 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                         if tuple(t.shape) != tuple(param.shape[1:]):
                             raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
                                               f"(config.json) expects {tuple(param.shape[1:])}")
+                        check_kind(key, t, param)
                         with torch.no_grad():
                             _local(param)[e - start].copy_(t)
                         filled.add((f"{m.group(1)}.{m.group(3)}", e))
                     continue
-                t = _decode(key, shards.get(key), shards, device)
-                lo = mod.expert_offset
-                leaves = ("w1", "w3") if m.group(2) == "gate_up_proj" else ("w2",)
-                inter = t.shape[1] // 2
+                gate_up = m.group(2) == "gate_up_proj"
+                leaves = ("w1", "w3") if gate_up else ("w2",)
+                w = getattr(mod, leaves[0])
+                want = (E, 2 * w.shape[1], w.shape[2]) if gate_up else (E, *w.shape[1:])
+                t = _decode(key, shards.get(key), shards, device, halves=2 if gate_up else 1)
+                if tuple(t.shape) != want:
+                    raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
+                                      f"(config.json) expects {want} (experts x rows x columns)")
+                check_kind(key, t, w)
+                lo, inter = mod.expert_offset, want[1] // 2
                 for leaf in leaves:
+                    for g in range(E):
+                        claim((f"{m.group(1)}.{leaf}", g), key)
                     rows, start = own_experts(mod, leaf)
                     part = t if leaf == "w2" else (t[:, :inter] if leaf == "w1" else t[:, inter:])
                     with torch.no_grad():
@@ -239,6 +292,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             if name not in targets:
                 raise WeightError(f"{path / f.name}: tensor '{key}' (as '{name}') is not part of a DeepSeek-V4 "
                                   f"model with this config.json")
+            claim(name, key)
             put(name, targets[name], _decode(key, shards.get(key), shards, device), key)
 
     missing = []
@@ -254,6 +308,12 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             missing.append(name)
     if missing:
         raise WeightError(f"{path}: checkpoint lacks {len(missing)} tensor(s), first: {missing[:5]}")
+    for name in targets:  # hash layers' token -> expert tables must name experts of this config
+        if name.endswith(".tid2eid"):
+            t = _local(targets[name])
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= E):
+                raise WeightError(f"{path}: tensor '{sources.get(name, name)}' holds expert ids from {int(t.min())} "
+                                  f"to {int(t.max())}, but config.json has n_routed_experts = {E}")
 
 
 _SHARED_W1 = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w1\.weight$")
@@ -295,6 +355,12 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
 
     Tensors the model keeps in fp32 (norms, sinks, mHC, ape, gate bias) stay fp32; everything else is `dtype`.
     """
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_pretrained: dtype {dtype!r}: torch.float32, torch.bfloat16 or torch.float16")
+    if isinstance(device, torch.dtype):
+        raise TypeError(f"load_pretrained: device {device!r} is a dtype (pass it as dtype=)")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")

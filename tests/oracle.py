@@ -48,12 +48,13 @@ CASES = {
 }
 
 
-def make_hf(case: str, seed: int = 0):
-    """A DeepseekV4ForCausalLM with every tensor randomized at a scale that makes each path matter."""
+def make_hf(case: str, seed: int = 0, **overrides):
+    """A DeepseekV4ForCausalLM with every tensor randomized at a scale that makes each path matter (config:
+    CASES[case] with overrides)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DeepseekV4Config(**CASES[case])
+    cfg = DeepseekV4Config(**{**CASES[case], **overrides})
     m = DeepseekV4ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -135,3 +135,28 @@ def test_bare_config_name_found_in_configs(tmp_path, monkeypatch):
     assert load_yaml("tiny.yaml") == {"model": {"hidden_size": 1}}
     with pytest.raises(ConfigError, match="sub/tiny.yaml: config file not found$"):
         load_yaml("sub/tiny.yaml")
+
+
+def test_malformed_config_json_is_named(tmp_path):
+    """config.json shapes that raised AttributeError / TypeError deep in from_hf_config name the file and key."""
+    for body, match in [("[]", "top level: must be a JSON object"),
+                        ('{"text_config": 3}', "text_config: must be a JSON object"),
+                        ('{"num_hidden_layers": "3"}', "num_hidden_layers: must be an integer, got '3'"),
+                        ('{"compress_rates": [2, 8]}', r"compress_rates: must be an object"),
+                        ('{"compress_rates": {"compressed_sparse_attention": "x"}}', "compress_rates.compressed_sparse"),
+                        ('{"compress_ratios": [0, "4"]}', r"compress_ratios\[1\]: must be an integer"),
+                        ('{"layer_types": "sliding_attention"}', "layer_types: must be a list"),
+                        ('{"partial_rotary_factor": 2}', r"partial_rotary_factor: must be a number in \(0, 1\]"),
+                        ('{"rope_scaling": {"type": "dynamic", "factor": 2}}', "rope_scaling.rope_type: only 'yarn'"),
+                        ('{"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2}, "compress": {}}}',
+                         "rope_parameters.main.rope_type: 'default'")]:
+        (tmp_path / "config.json").write_text(body)
+        with pytest.raises(ConfigError, match="config.json: " + match):
+            load_hf_config(tmp_path / "config.json")
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="config.json: cannot read .IsADirectoryError"):
+        load_hf_config(tmp_path)
+    # text_config null is no text_config (as transformers reads it)
+    assert ModelConfig.from_hf_config({"text_config": None, "num_hidden_layers": 2, "num_hash_layers": 0,
+                                       "compress_ratios": [0, 4]}).num_hidden_layers == 2

@@ -64,3 +64,40 @@ def test_transformers_reads_our_release_layout(tmp_path):
     ids = _ids("wide_hc", 2, 40, seed=6)
     with torch.no_grad():
         assert (back(ids).logits - hf(ids).logits).abs().max() <= TOL
+
+
+def test_config_json_forms_transformers_reads_alike(tmp_path):
+    """config.json forms read as transformers reads them: YaRN's truncate false on the nested compress entry
+    (which transformers never reads: whole correction dims whatever it says; a 64-wide RoPE, where fractional
+    ones would differ), and no RoPE width at all (transformers' head_dim x 64 / 512). Forms we cannot build
+    (another RoPE type or activation, a YaRN attention factor) are errors naming the key, not a model that
+    differs silently."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from model.config import ConfigError
+    wide = dict(head_dim=64, num_attention_heads=2, index_head_dim=64)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    for name, kw, edit in [
+            ("truncate", dict(partial_rotary_factor=1.0, rope_parameters={**yarn, "truncate": False}), None),
+            ("no_rope_width", {}, ("partial_rotary_factor", "qk_rope_head_dim", "rope_parameters"))]:
+        d = tmp_path / name
+        make_hf("mixed", 7, **wide, **kw).save_pretrained(d)
+        if edit:
+            c = json.loads((d / "config.json").read_text())
+            for k in edit:
+                c.pop(k, None)
+            (d / "config.json").write_text(json.dumps(c))
+        hf = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        ours = load_pretrained(d, progress=False)
+        ids = _ids("mixed", 2, 40, seed=8)
+        with torch.no_grad():
+            assert (ours(ids) - hf(ids).logits).abs().max() <= TOL, name
+    assert load_pretrained(tmp_path / "no_rope_width", progress=False).cfg.qk_rope_head_dim == 8
+    for kw, key in [(dict(rope_parameters={"rope_type": "linear", "factor": 4.0}), "rope_type"),
+                    (dict(rope_parameters={**yarn, "attention_factor": 1.5}), "attention_factor"),
+                    (dict(hidden_act="gelu"), "hidden_act")]:
+        d = tmp_path / key
+        make_hf("mixed", 0, **kw).save_pretrained(d)
+        with pytest.raises(ConfigError, match=f"config.json: .*{key}"):
+            load_pretrained(d, progress=False)

@@ -138,6 +138,99 @@ def test_unknown_dtype_unscaled_fp8_and_unexpected_tensor_are_named(tiny, tmp_pa
         load_pretrained(tmp_path, progress=False)
 
 
+def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
+    """Checkpoint tensors that used to load silently (an expert past n_routed_experts skipped, an integer tensor
+    cast into a float weight, two names for one tensor with the later one winning, expert ids a hash table cannot
+    route to) or fail with torch's own error (a scale of the wrong shape) are WeightErrors naming the tensor."""
+    save_pretrained(tiny, tmp_path, dtype=torch.float32)
+    good = _all_tensors(tmp_path)
+    q, s = quant_fp8_block(good["layers.2.attn.wq_b.weight"], torch.float8_e4m3fn, scale_fmt="fp32")
+    edits = [
+        ({"layers.1.ffn.experts.8.w1.weight": good["layers.1.ffn.experts.0.w1.weight"].clone()},
+         r"experts\.8\.w1\.weight': expert 8, but config.json has n_routed_experts = 8"),
+        ({"layers.0.attn.wq_a.weight": good["layers.0.attn.wq_a.weight"].to(torch.int16)},
+         r"layers\.0\.attn\.wq_a\.weight': torch.int16 in the checkpoint, the model holds torch.float32"),
+        ({"model.norm.weight": good["norm.weight"] + 1}, r"'model.norm.weight' and 'norm.weight' both load"),
+        ({"layers.0.ffn.gate.tid2eid": good["layers.0.ffn.gate.tid2eid"] + 8},
+         r"layers\.0\.ffn\.gate\.tid2eid' holds expert ids from 8 to 15, but config.json has n_routed_experts"),
+        ({"layers.2.attn.wq_b.weight": q, "layers.2.attn.wq_b.weight_scale_inv": s.repeat(2, 1)},
+         r"layers\.2\.attn\.wq_b\.weight' with scale 'layers\.2\.attn\.wq_b\.weight_scale_inv': scale grid"),
+        ({"layers.2.attn.wq_b.weight": q, "layers.2.attn.wq_b.weight_scale_inv": torch.ones(())},
+         r"its scale 'layers\.2\.attn\.wq_b\.weight_scale_inv' has shape \(\)"),
+    ]
+    for edit, match in edits:
+        _rewrite(tmp_path, dict(good, **edit))
+        with pytest.raises(WeightError, match=match):
+            load_pretrained(tmp_path, progress=False)
+    # the same tensor in two files and no index to say which one is read
+    _rewrite(tmp_path, good)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    save_file({"norm.weight": good["norm.weight"]}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(WeightError, match="'norm.weight' is in both extra.safetensors and model.safetensors"):
+        load_pretrained(tmp_path, progress=False)
+
+
+def test_transformers_fused_experts_plain_and_fp8(tiny, tmp_path):
+    """transformers' fused expert tensors (`experts.gate_up_proj` (E, 2I, D), `experts.down_proj` (E, D, I)): in
+    BF16/FP32, and FP8 with `<tensor>_scale_inv` block scales, whole or with the gate and up halves scaled apart
+    (transformers' layout where I is not a multiple of 128); a wrong expert count or shape is named."""
+    save_pretrained(tiny, tmp_path, dtype=torch.float32)
+    good = _all_tensors(tmp_path)
+    E = tiny.cfg.n_routed_experts
+
+    def fused(t, layer, fp8=None):
+        out = {k: v for k, v in t.items() if not k.startswith(f"layers.{layer}.ffn.experts.")}
+        w = {n: torch.stack([t[f"layers.{layer}.ffn.experts.{e}.{n}.weight"] for e in range(E)]) for n in ("w1", "w2", "w3")}
+        key = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = torch.cat([w["w1"], w["w3"]], 1), w["w2"]
+        if fp8 is None:
+            return dict(out, **{key + "gate_up_proj": gate_up, key + "down_proj": down}), w
+        if fp8 == "halves":
+            (q1, s1), (q3, s3) = (quant_fp8_block(w[n], torch.float8_e4m3fn, scale_fmt="fp32") for n in ("w1", "w3"))
+            qg, sg = torch.cat([q1, q3], 1), torch.cat([s1, s3], 1)
+        else:
+            qg, sg = quant_fp8_block(gate_up, torch.float8_e4m3fn, scale_fmt="fp32")
+        qd, sd = quant_fp8_block(down, torch.float8_e4m3fn, scale_fmt="fp32")
+        half = qg.shape[1] // 2
+        ref = {"w1": dequant_fp8_block(qg[:, :half], sg[:, :sg.shape[1] // 2]) if fp8 == "halves" else
+               dequant_fp8_block(qg, sg)[:, :half],
+               "w3": dequant_fp8_block(qg[:, half:], sg[:, sg.shape[1] // 2:]) if fp8 == "halves" else
+               dequant_fp8_block(qg, sg)[:, half:], "w2": dequant_fp8_block(qd, sd)}
+        return dict(out, **{key + "gate_up_proj": qg, key + "gate_up_proj_scale_inv": sg, key + "down_proj": qd,
+                            key + "down_proj_scale_inv": sd}), ref
+
+    for fp8 in (None, "whole", "halves"):
+        t, want = fused(good, 2, fp8)
+        _rewrite(tmp_path, t)
+        back = load_pretrained(tmp_path, progress=False)
+        for n in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(back.layers[2].ffn.experts, n), want[n]), (fp8, n)
+    assert fp8 == "halves" and t["model.layers.2.mlp.experts.gate_up_proj_scale_inv"].shape[1] == 2
+    t, _ = fused(good, 1)
+    for bad in (t["model.layers.1.mlp.experts.gate_up_proj"][:E - 1], t["model.layers.1.mlp.experts.gate_up_proj"][..., :1]):
+        _rewrite(tmp_path, dict(t, **{"model.layers.1.mlp.experts.gate_up_proj": bad.contiguous()}))
+        with pytest.raises(WeightError, match=rf"experts\.gate_up_proj': shape {tuple(bad.shape)}".replace("(", "\\(").replace(")", "\\)")):
+            load_pretrained(tmp_path, progress=False)
+
+
+def test_load_arguments_and_forward_inputs_are_checked(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        load_pretrained(tmp_path, dtype=torch.float64, progress=False)
+    with pytest.raises(TypeError, match="is a dtype"):
+        load_pretrained(tmp_path, torch.bfloat16, progress=False)
+    m = load_pretrained(tmp_path, dtype="bfloat16", progress=False)
+    assert m.embed.weight.dtype == torch.bfloat16
+    V = tiny.cfg.vocab_size
+    for ids, match in [(torch.tensor([[1, V]]), f"token id {V} outside the vocabulary \\[0, {V}\\)"),
+                       (torch.tensor([[-1, 2]]), "token id -1 outside"), (torch.zeros(1, 0, dtype=torch.long), "at least one"),
+                       (torch.tensor([1, 2]), "integer tensor \\(B, T\\)"), (torch.ones(1, 2), "integer tensor")]:
+        with pytest.raises(ValueError, match=match), torch.no_grad():
+            m(ids)
+    with torch.no_grad():
+        assert torch.equal(m(torch.tensor([[1, 2, 3]], dtype=torch.uint8)), m(torch.tensor([[1, 2, 3]])))
+
+
 def test_corrupt_shard_and_missing_files(tiny, tmp_path):
     save_pretrained(tiny, tmp_path, max_shard_bytes=200_000)
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
@@ -161,3 +254,12 @@ def test_weight_io_never_pickles(tiny, tmp_path, monkeypatch):
         monkeypatch.setattr(pickle, name, refuse)
     save_pretrained(tiny, tmp_path, fp8=True)
     load_pretrained(tmp_path, progress=False)
+
+
+def test_malformed_index_is_named(tiny, tmp_path):
+    save_pretrained(tiny, tmp_path, max_shard_bytes=200_000)
+    index = tmp_path / "model.safetensors.index.json"
+    for body in ("[]", '{"weight_map": ["a"]}', '{"weight_map": {"norm.weight": null}}'):
+        index.write_text(body)
+        with pytest.raises(WeightError, match="model.safetensors.index.json: (not a safetensors index|weight_map must)"):
+            load_pretrained(tmp_path, progress=False)
