@@ -71,12 +71,12 @@ from model.model import Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, reshard, sharded_actor)
 from model.weights import load_state, release_tensors
-from model.tasks import DigitTask, JsonlTask
+from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
 from kernels.quant import fp8_dtype
-from rollout_server import (FP8_SCALE, WATCHDOG, Engine, RolloutClient, SamplingParams, SimpleEngine, checksum,
-                            fault_point, is_fp8_held, phase, serve)
+from rollout_server import (FP8_SCALE, WATCHDOG, Engine, Output, RolloutClient, SamplingParams, SimpleEngine,
+                            checksum, fault_point, is_fp8_held, phase, serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -104,7 +104,7 @@ class DeployConfig:
         _need(self, "world_size", self.world_size >= 0, ">= 0 (0 = any)")
         _need(self, "gpus_per_node", self.gpus_per_node >= 1, ">= 1")
         for k in ("gpu_memory_gb", "host_memory_gb", "timeout_s"):
-            _need(self, k, getattr(self, k) > 0, "> 0")
+            _need(self, k, 0 < getattr(self, k) < math.inf, "> 0 and finite")
         _need(self, "cpu_threads", self.cpu_threads >= 0, ">= 0 (0 = automatic)")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"backend: must be auto, nccl or gloo, got {self.backend!r}")
@@ -236,7 +236,7 @@ class RolloutConfig:
         _need(self, "max_seqs", self.max_seqs >= 1, ">= 1")
         _need(self, "ep", self.ep >= 1, ">= 1")
         _need(self, "mem_fraction", 0 < self.mem_fraction <= 1, "in (0, 1]")
-        _need(self, "sync_bucket_mb", self.sync_bucket_mb > 0, "> 0")
+        _need(self, "sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "> 0 and finite")
 
 
 @dataclass
@@ -571,6 +571,54 @@ def start_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, 
     return items, client.submit(prompts, sampling(cfg, seed, len(prompts)), group_size=G), version
 
 
+@dataclass
+class Collected:
+    """A submitted round's outputs, already collected (a checkpoint holds the next step's first round this way)."""
+    outs: list
+    gen_s: float
+
+
+def collect_round(client: RolloutClient, started):
+    """started (start_rollouts') with its first round's outputs collected."""
+    items, handle, version = started
+    if isinstance(handle, Collected):
+        return started
+    outs = client.collect(handle)
+    return items, Collected(outs, client.last_gen_s), version
+
+
+def save_round(path: Path, started):
+    """A collected first round (collect_round's) as pending.json + pending.safetensors in a checkpoint directory."""
+    items, got, version = started
+    outs = got.outs
+    meta = {"version": version, "gen_s": got.gen_s, "items": [dataclasses.asdict(it) for it in items],
+            "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.token_ids for o in outs],
+            "finish": [o.finish_reason for o in outs]}
+    save_file({"logprobs": torch.tensor([x for o in outs for x in o.logprobs], dtype=torch.float64),
+               "routing": torch.cat([o.routed_experts for o in outs]).contiguous()}, str(path / "pending.safetensors"))
+    (path / "pending.json").write_text(json.dumps(meta))
+
+
+def load_round(path: Path):
+    """save_round's first round back (None where the checkpoint holds none)."""
+    if not (path / "pending.json").exists():
+        return None
+    try:
+        meta = json.loads((path / "pending.json").read_text())
+        t = load_file(str(path / "pending.safetensors"))
+        lp, rt = t["logprobs"].tolist(), t["routing"]
+        outs, o, r = [], 0, 0
+        for p, tk, fin in zip(meta["prompts"], meta["tokens"], meta["finish"], strict=True):
+            nr = len(p) + len(tk) - 1
+            outs.append(Output(p, tk, lp[o:o + len(tk)], rt[r:r + nr], fin))
+            o, r = o + len(tk), r + nr
+        if o != len(lp) or r != rt.shape[0]:
+            raise ValueError(f"{o} log-probs and {r} routing rows for {len(lp)} and {rt.shape[0]} stored")
+        return [Item(**it) for it in meta["items"]], Collected(outs, float(meta["gen_s"])), int(meta["version"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path}: corrupt pending rollout round ({type(e).__name__}: {e})") from None
+
+
 def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, started, version: int):
     """Collect, score and (with dynamic sampling) refill a step's groups. Returns the groups, rollout statistics
     and each group's generation version (the actor version whose weights the rollout held)."""
@@ -587,8 +635,12 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
             prompts = [encode_prompt(cfg, tok, it.prompt) for it in items for _ in range(G)]
             handle = client.submit(prompts, sampling(cfg, cfg.seed * 1_000_003 + step * 101 + rnd, len(prompts)),
                                    group_size=G)
-        outs = client.collect(handle)
-        stats["gen_s"] += client.last_gen_s
+        if rnd == 0:
+            _, got, _ = collect_round(client, (items, handle, first_version))
+            outs, gen_s = got.outs, got.gen_s
+        else:
+            outs, gen_s = client.collect(handle), client.last_gen_s
+        stats["gen_s"] += gen_s
         gen_version = first_version if rnd == 0 else version
         stats["rounds"] += 1
         for j, it in enumerate(items):
@@ -862,7 +914,11 @@ def _rng_state() -> dict:
     return st
 
 
-def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
+def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pending=None):
+    """Every actor rank's shards, then (rank 0) meta.json, under a temporary name renamed when complete. pending
+    (off_policy_steps=1): the next step's first rollout round, collected (collect_round), generated with the
+    weights before this step's update; a resume trains on it as the uninterrupted run does, whose task cursor
+    (in meta.json) is past its prompts."""
     d = actor.d
     root = out / "checkpoints"
     final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
@@ -879,6 +935,8 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig):
     fault_point("ckpt")  # the recovery tests: a rank dies with the shards half written
     dist.barrier(group=d.actor_group)
     if d.rank == 0:
+        if pending is not None:
+            save_round(tmp, pending)
         meta = {"step": step, "opt_steps": actor.opt_steps, "adam_t": actor.opt.t, "task": task.state(),
                 "world": d.world, "n_actor": d.n_actor, "ep": d.mesh.ep, "python_rng": list(random.getstate()[1]),
                 "config": cfg.to_dict()}
@@ -1065,7 +1123,7 @@ def restore_metrics(path: Path, start: int):
     _write_atomic(path, "".join(ln + "\n" for ln in keep))
 
 
-def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
+def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckpt: Path | None = None):
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
@@ -1104,7 +1162,11 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
     bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
                dynamic_ncols=True)
     version = start     # the actor version the rollout holds: optimizer steps taken = train steps done
-    pending = None      # off_policy_steps=1: the next step's first round, submitted before this step trains
+    # off_policy_steps=1: the next step's first round, submitted before this step trains (a resume takes the one its
+    # checkpoint holds)
+    pending = None
+    if ckpt is not None and cfg.train.off_policy_steps and start < cfg.train.steps:
+        pending = load_round(ckpt)
     try:
         for step in bar:
             with phase(f"GRPO step {step}"):
@@ -1146,9 +1208,11 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int):
                 with open(metrics_path, "a") as f:  # before the checkpoint: a resume from it finds this step's line
                     f.write(json.dumps(m) + "\n")
                 if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last) and not stop:
+                    if pending is not None:  # the checkpoint keeps it: a resume trains on what this run does
+                        pending = collect_round(client, pending)
                     with phase(f"checkpoint at step {step}", f"actor ranks 0-{d.n_actor - 1}"):
                         _send_cmd(d, "ckpt", step)
-                        save_checkpoint(actor, step, task, out, cfg)
+                        save_checkpoint(actor, step, task, out, cfg, pending)
                 bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}",
                                 kl=f"{m['mismatch_kl']:.1e}")
                 if ts["nonfinite_updates"]:
@@ -1297,7 +1361,7 @@ def main(argv=None):
             actor = Actor(cfg, d)
             start = load_checkpoint(actor, task, ckpt, meta) if ckpt else 0
             if d.rank == 0:
-                run_driver(cfg, d, actor, task, tok, start)
+                run_driver(cfg, d, actor, task, tok, start, ckpt)
             else:
                 run_follower(cfg, d, actor, task)
         else:

@@ -486,6 +486,9 @@ def build_section(cls, d: dict | None, where: str):
     kwargs = {}
     for k, v in d.items():
         default = fields[k].default
+        if v is None and default is not dataclasses.MISSING and default is not None \
+                and "None" not in str(fields[k].type):  # null where the field takes no None
+            raise ConfigError(f"{_at(where, k)}: expected {type(default).__name__}, got null")
         if default is not dataclasses.MISSING and default is not None and v is not None:
             want = type(default)
             if want is float and isinstance(v, str):

@@ -160,3 +160,17 @@ def test_malformed_config_json_is_named(tmp_path):
     # text_config null is no text_config (as transformers reads it)
     assert ModelConfig.from_hf_config({"text_config": None, "num_hidden_layers": 2, "num_hash_layers": 0,
                                        "compress_ratios": [0, 4]}).num_hidden_layers == 2
+
+
+def test_null_and_infinite_values_are_named():
+    """`key=null` where the field takes no None raised TypeError in __post_init__ on every rank; an infinite
+    timeout or sync bucket passed validation and raised OverflowError at start-up (after the actor was built)."""
+    from train_grpo import RunConfig
+    for item, match in [("ckpt.every=null", "ckpt.every: expected int, got null"),
+                        ("train.steps=null", "train.steps: expected int, got null"),
+                        ("rollout.sync_verify=null", "rollout.sync_verify: expected bool, got null"),
+                        ("deploy.timeout_s=.inf", "timeout_s: must be > 0 and finite, got inf"),
+                        ("rollout.sync_bucket_mb=inf", "sync_bucket_mb: must be > 0 and finite, got inf")]:
+        with pytest.raises(ConfigError, match=match):
+            RunConfig.load("configs/tiny.yaml", [item])
+    assert RunConfig.load("configs/tiny.yaml", ["model.eos_token_id=null"]).model.eos_token_id is None

@@ -65,6 +65,21 @@ def test_actor_killed_mid_checkpoint_resumes_from_newest_complete(ref, tmp_path)
     assert rec["resumed_from"] == 2 and rec["mismatches"] == 0, rec
 
 
+def test_off_policy_resume_repeats_the_uninterrupted_run(tmp_path):
+    """train.off_policy_steps=1: the checkpoint at step 2 is written after step 3's first round was submitted
+    (with the weights before step 2's update) and its prompts drawn. The checkpoint keeps that round
+    (pending.json / pending.safetensors), so a run killed in step 3 and resumed trains step 3 on it as the
+    uninterrupted run does: the same metrics (before, the resume drew the next prompts and generated on-policy)."""
+    X = ["train.off_policy_steps=1"]
+    finish(launch(tmp_path / "ref", 3, X))
+    finish(launch(tmp_path / "run", 3, X, env={"GRPO_FAULT": "0:train:3"}), ok=False)
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "pending.json").exists()
+    assert "resumed from step 2" in finish(launch(tmp_path / "run", 3, X, resume="auto"))
+    ref, run = metrics(tmp_path / "ref"), metrics(tmp_path / "run")
+    assert ref[2]["staleness"] > 0 and [comparable(r) for r in run] == [comparable(r) for r in ref]
+
+
 @pytest.mark.parametrize("fault, says", [
     ("2:generate:7:hang", "rank 0: during a rollout request (waiting on rollout rank 2): no progress for"),
     pytest.param("1:train:3:hang", "rank 0: during train step 3 (waiting on actor ranks 0-1): no progress for",
