@@ -1063,6 +1063,13 @@ def evaluate(cfg: RunConfig, task, tok, client: RolloutClient, step: int) -> dic
 # main loops
 
 
+def metrics_line(m: dict) -> str:
+    """One metrics.jsonl line, strict JSON: a non-finite number (a NaN loss) is null (json.dumps wrote NaN, which
+    JSON parsers other than Python's refuse)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()},
+                      allow_nan=False)
+
+
 def write_plot(metrics_path: Path, png: Path):
     try:
         import matplotlib
@@ -1077,7 +1084,8 @@ def write_plot(metrics_path: Path, png: Path):
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3))
     for ax, k in zip(np.atleast_1d(axes), keys):
         xs = [r["step"] for r in rows if k in r]
-        ax.plot(xs, [r[k] for r in rows if k in r], marker="." if k.startswith("eval") else None)
+        ax.plot(xs, [np.nan if r[k] is None else r[k] for r in rows if k in r],
+                marker="." if k.startswith("eval") else None)
         ax.set_title(k)
         ax.set_xlabel("step")
     fig.tight_layout()
@@ -1206,7 +1214,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                 if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last) and not stop:
                     m.update(evaluate(cfg, task, tok, client, step))
                 with open(metrics_path, "a") as f:  # before the checkpoint: a resume from it finds this step's line
-                    f.write(json.dumps(m) + "\n")
+                    f.write(metrics_line(m) + "\n")
                 if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last) and not stop:
                     if pending is not None:  # the checkpoint keeps it: a resume trains on what this run does
                         pending = collect_round(client, pending)
@@ -1219,9 +1227,12 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                     print(f"step {step}: {int(ts['nonfinite_updates'])} update(s) skipped, NaN/Inf loss or gradient "
                           f"({nonfinite_run} step(s) in a row)", flush=True)
                 if stop:
+                    newest = find_checkpoint(out, "auto")
                     raise SystemExit(f"stopping: {nonfinite_run} steps in a row with NaN/Inf loss or gradients (steps "
                                      f"{step - nonfinite_run + 1}-{step}; train.max_nonfinite_steps="
-                                     f"{cfg.train.max_nonfinite_steps}); the newest checkpoint is from before them")
+                                     f"{cfg.train.max_nonfinite_steps}); their updates were skipped, so the weights "
+                                     f"are those from before them" + (f", as in the newest checkpoint, {newest.name}"
+                                                                       if newest is not None else ""))
         if cfg.ckpt.export_final:
             with phase("export", f"actor ranks 0-{d.n_actor - 1}"):
                 _send_cmd(d, "export", cfg.train.steps)

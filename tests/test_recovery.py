@@ -119,6 +119,11 @@ def test_nan_loss_steps_are_skipped_and_k_in_a_row_stop_the_run(ref, tmp_path):
     log = finish(p, timeout=300, ok=False)
     assert p.returncode != 0
     assert "stopping: 2 steps in a row with NaN/Inf loss or gradients (steps 4-5" in log, log[-3000:]
+    assert "the weights are those from before them, as in the newest checkpoint, step_000004" in log, log[-3000:]
+    # strict JSON lines: a NaN loss is null (json.dumps wrote NaN, which other parsers refuse)
+    strict = [json.loads(ln, parse_constant=lambda c: pytest.fail(f"metrics.jsonl has {c}"))
+              for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] is None for r in strict] == [False, True, False, True, True]
     assert "step 2: 2 update(s) skipped, NaN/Inf loss or gradient (1 step(s) in a row)" in log, log[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
