@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from datetime import timedelta
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -1645,18 +1646,70 @@ class Watchdog:
         self.name, self.peer, self.since, self.patience = "start-up", "", time.monotonic(), 1.0
         self.trace = os.environ.get("GRPO_PHASE_DIR")  # the recovery harness reads where a rank was when killed
         self.raised_in = None  # where() of the innermost phase an exception left (the phases unwind before a report)
+        self.progress = 0      # phases entered and left on this rank
+        self.beat = None       # (store, key, is the driver): the driver's progress, shared (share())
+        self.beat_seen = None  # the driver's progress as this rank last read it (the driver: as it last added it)
+        self.beat_lock = threading.Lock()  # held by a tick's store call; unshare() waits for it
 
     def start(self, rank: int, timeout_s: float):
         self.rank, self.timeout, self.since = rank, timeout_s, time.monotonic()
         threading.Thread(target=self._run, daemon=True, name="watchdog").start()
 
+    def share(self, driver: bool, key: str = "grpo-watchdog/driver-progress"):
+        """After the rendezvous (torchrun's MASTER_ADDR / MASTER_PORT store): the driver's watchdog adds its
+        progress to a store counter every tick; on the other ranks an idle phase (work that waits on the driver)
+        counts a change of that counter as progress of its own. A long run of healthy driver phases (many
+        rollout rounds, an evaluation) then never reads as a stuck driver; a driver that stops (frozen, or stuck
+        in one phase, which it reports itself first) still does. A store connection of its own, with a short
+        timeout: a frozen store host blocks no tick for long. Without a store nothing is shared."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            return
+        try:
+            import torch.distributed as dist
+            store = dist.TCPStore(addr, int(port), is_master=False,
+                                  timeout=timedelta(seconds=max(1.0, min(10.0, self.timeout / 4))))
+            key = f"{key}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            self.beat_seen = store.add(key, 0) if not driver else 0
+            self.beat = (store, key, driver)
+        except Exception:  # (a launcher without a reachable store: idle phases keep their own clocks)
+            self.beat = None
+
+    def unshare(self):
+        """Stop sharing and close the store connection (before the process ends: a connection torn down by the
+        interpreter's exit while the watchdog thread used it aborted the process)."""
+        with self.beat_lock:
+            beat, self.beat = self.beat, None
+        del beat
+
+    def _share_beat(self):
+        with self.beat_lock:
+            if self.beat is not None:
+                self._beat_tick(*self.beat)
+
+    def _beat_tick(self, store, key, driver):
+        try:
+            if driver:
+                if self.progress != self.beat_seen:
+                    n = self.progress
+                    store.add(key, n - self.beat_seen)
+                    self.beat_seen = n
+            elif self.patience > 1.0:  # an idle phase: the driver's progress is ours
+                v = store.add(key, 0)
+                if v != self.beat_seen:
+                    self.beat_seen, self.since = v, time.monotonic()
+        except Exception:  # the store unreachable (the run ending, its host frozen): no progress
+            pass
+
     @contextmanager
     def phase(self, name: str, peer: str = "", idle: bool = False):
         """idle: waiting for work from a peer that may itself be waiting (a follower for the driver, a rollout
-        rank for a request): twice the patience, so the rank whose peer is actually stuck speaks first."""
+        rank for a request), or on a driver that waits on a third rank (a follower in the weight sync): twice the
+        patience, so the rank whose peer is actually stuck speaks first; progress of the driver counts (share)."""
         prev = self.name, self.peer, self.patience
         self.name, self.peer, self.since, self.patience = name, peer, time.monotonic(), 2.0 if idle else 1.0
         self.raised_in = None  # (an exception an earlier phase left was handled: work goes on)
+        self.progress += 1
         self._trace()
         try:
             yield
@@ -1665,6 +1718,7 @@ class Watchdog:
             raise
         finally:  # back in the enclosing phase, which has just made progress
             (self.name, self.peer, self.patience), self.since = prev, time.monotonic()
+            self.progress += 1
             self._trace()
 
     def _trace(self):
@@ -1680,6 +1734,7 @@ class Watchdog:
     def _run(self):
         while True:
             time.sleep(min(1.0, self.timeout / 10))
+            self._share_beat()
             idle = time.monotonic() - self.since
             if idle > self.timeout * self.patience:
                 sys.stdout.flush()

@@ -445,6 +445,7 @@ def init_dist(cfg: RunConfig) -> Dist:
     if ep > 1 and rank >= n_actor:
         rollout_ep = (ep_groups[(rank - n_actor) // ep], ep, (rank - n_actor) % ep)
     check_placement(rank, world, n_actor, device)
+    WATCHDOG.share(driver=rank == 0)
     return Dist(rank, world, n_actor, device, mesh, sync_group, rollout_ep)
 
 
@@ -1308,7 +1309,8 @@ def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task):
             with phase(f"checkpoint at step {step}", peers):
                 save_checkpoint(actor, step, task, out, cfg)
         elif code == CMDS["sync"]:  # the driver broadcasts what the actor ranks gather together
-            with phase(f"weight sync after step {step}", peers):
+            # (idle: the driver also waits on the rollout ranks here; a stuck one is for the driver to name)
+            with phase(f"weight sync after step {step}", peers, idle=True):
                 for _ in actor.full_weights(*actor.sync_format()):
                     pass
         elif code == CMDS["export"]:
@@ -1383,6 +1385,7 @@ def main(argv=None):
             sys.stderr.write(f"rank {d.rank}: {e.code}\n" if isinstance(e.code, str) else "")
             sys.stderr.flush()
             os._exit(e.code if isinstance(e.code, int) else 1)
+        WATCHDOG.unshare()
         raise
     except BaseException as e:
         sys.stdout.flush()
@@ -1390,6 +1393,7 @@ def main(argv=None):
         sys.stderr.write(f"{WATCHDOG.raised_in or WATCHDOG.where()}: {type(e).__name__}: {e}\n")
         sys.stderr.flush()
         os._exit(1)
+    WATCHDOG.unshare()
     dist.destroy_process_group()
 
 

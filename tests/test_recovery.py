@@ -84,6 +84,10 @@ def test_off_policy_resume_repeats_the_uninterrupted_run(tmp_path):
     ("2:generate:7:hang", "rank 0: during a rollout request (waiting on rollout rank 2): no progress for"),
     pytest.param("1:train:3:hang", "rank 0: during train step 3 (waiting on actor ranks 0-1): no progress for",
                  marks=pytest.mark.slow),  # the same path as above, kept out of CI's ten minutes
+    # a rollout rank frozen in the weight sync: the driver names it; actor rank 1, which waits on the driver there,
+    # has twice the patience (it spoke first in 2 of 3 runs before)
+    pytest.param("2:sync:4:hang", "rank 0: during weight sync (waiting on rollout ranks [2]): no progress for",
+                 marks=pytest.mark.slow),
 ])
 def test_hung_peer_ends_the_run_naming_rank_and_phase(tmp_path, fault, says):
     """A rank freezes (SIGSTOP) in step 3: the others exit within deploy.timeout_s naming the rank, phase and peer,
@@ -145,6 +149,47 @@ def test_an_error_is_reported_in_the_phase_it_left():
     with w.phase("step 4"):  # handled: the next phase clears it
         pass
     assert w.raised_in is None
+
+
+def test_idle_ranks_take_the_drivers_progress_as_their_own(monkeypatch):
+    """A follower (or rollout rank) waiting for the driver counted its wait from the last command, so a long run of
+    healthy driver phases (30 rollout rounds of a refilling step, an evaluation) past 2 x deploy.timeout_s ended
+    the run as a stuck driver. The driver now shares its progress through the launcher's store: an idle phase
+    restarts its clock when the driver has moved on, and only then (a stopped driver still ends the run)."""
+    import torch.distributed as dist
+
+    from rollout_server import Watchdog
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    drv, fol = Watchdog(), Watchdog()
+    for w, driver in ((drv, True), (fol, False)):
+        w.timeout = 5.0
+        w.share(driver=driver)
+        assert w.beat is not None
+    with fol.phase("waiting for the driver", "rank 0", idle=True):
+        fol.since -= 8.0                      # 8 s into a wait whose limit is 10
+        fol._share_beat()
+        assert fol.since < time.monotonic() - 7.0
+        for _ in range(3):                    # the driver's rollout rounds
+            with drv.phase("a rollout request", "rollout rank 2"):
+                pass
+        drv._share_beat()
+        fol._share_beat()
+        assert fol.since > time.monotonic() - 1.0   # the driver moved: the wait starts again
+        fol.since -= 8.0
+        drv._share_beat()                     # a stopped driver: no new progress
+        fol._share_beat()
+        assert fol.since < time.monotonic() - 7.0
+    with fol.phase("train step 3", "actor ranks 0-1"):  # not idle: its own clock only
+        fol.since -= 4.0
+        with drv.phase("a rollout request"):
+            pass
+        drv._share_beat()
+        fol._share_beat()
+        assert fol.since < time.monotonic() - 3.0
+    drv.unshare(), fol.unshare()
+    assert drv.beat is None and fol.beat is None
 
 
 def test_an_earlier_runs_checkpoints_are_set_aside_and_damaged_ones_never_counted(tmp_path):
