@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -336,12 +337,15 @@ class RunConfig:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True) -> torch.Tensor:
-    """rewards (P * G,) grouped consecutively -> advantages (P * G,)."""
-    r = rewards.view(-1, group_size)
+    """rewards (P * G,) grouped consecutively -> advantages (P * G,) in rewards' dtype. A group whose rewards are
+    all equal gets exactly 0 (in float32 the mean of eight rewards of 1/3 is not 1/3: with std_norm that rounding
+    was divided by a std of ~1e-8 + 1e-6, an advantage of 0.03 on every sample of a group with no signal)."""
+    r = rewards.view(-1, group_size).double()
     a = r - r.mean(-1, keepdim=True)
     if std_norm:
         a = a / (r.std(-1, keepdim=True) + 1e-6)
-    return a.reshape(-1)
+    flat = (r == r[:, :1]).all(-1, keepdim=True)
+    return torch.where(flat, 0.0, a).reshape(-1).to(rewards.dtype)
 
 
 def policy_loss(logp, old_logp, rollout_logp, adv, mask, cfg: TrainConfig, norm: dict, ref_logp=None,
@@ -579,13 +583,14 @@ class Collected:
     gen_s: float
 
 
+def collected(client: RolloutClient, handle) -> Collected:
+    return handle if isinstance(handle, Collected) else Collected(client.collect(handle), client.last_gen_s)
+
+
 def collect_round(client: RolloutClient, started):
     """started (start_rollouts') with its first round's outputs collected."""
     items, handle, version = started
-    if isinstance(handle, Collected):
-        return started
-    outs = client.collect(handle)
-    return items, Collected(outs, client.last_gen_s), version
+    return items, collected(client, handle), version
 
 
 def save_round(path: Path, started):
@@ -636,12 +641,9 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
             prompts = [encode_prompt(cfg, tok, it.prompt) for it in items for _ in range(G)]
             handle = client.submit(prompts, sampling(cfg, cfg.seed * 1_000_003 + step * 101 + rnd, len(prompts)),
                                    group_size=G)
-        if rnd == 0:
-            _, got, _ = collect_round(client, (items, handle, first_version))
-            outs, gen_s = got.outs, got.gen_s
-        else:
-            outs, gen_s = client.collect(handle), client.last_gen_s
-        stats["gen_s"] += gen_s
+        got = collected(client, handle)
+        outs = got.outs
+        stats["gen_s"] += got.gen_s
         gen_version = first_version if rnd == 0 else version
         stats["rounds"] += 1
         for j, it in enumerate(items):
@@ -741,7 +743,11 @@ class Actor:
         return [rows[i:i + mb] for i in range(0, len(rows), mb)]
 
     def forward_lp(self, model, b, rows, replay, return_routing=False):
-        out = model(b["ids"][rows], attention_mask=b["attn"][rows], replay_experts=replay,
+        # attention_mask (statistics only): the positions whose routing the rollout reported, each real token but a
+        # row's last (never fed to the rollout; make_batch copies the row before), so that routing_mismatch counts
+        # only rollout choices
+        attn = b["attn"][rows]
+        out = model(b["ids"][rows], attention_mask=F.pad(attn[:, 1:], (0, 1)), replay_experts=replay,
                     targets_mask=b["loss_mask"][rows], temperature=self.cfg.rollout.temperature,
                     return_routing=return_routing)
         return out
@@ -780,6 +786,9 @@ class Actor:
                     ref[rows] = self.forward_lp(self.ref, b, rows, rp)[0]
         if mode == "R2":
             replay = own.long()
+        # routing_mismatch: the pi_old pass's (the policy the rollout sampled from, in BF16); the updates' passes
+        # count none
+        s_replay = self.routing_mismatch()
         mask = b["loss_mask"]
         s = {"tokens": mask[mine].sum().item(), "entropy": ent, "clip": 0.0, "tis_trunc": 0.0, "loss": 0.0,
              "grad_norm": 0.0}
@@ -823,7 +832,8 @@ class Actor:
             self.opt_steps += 1
         s["grad_norm"] /= max(applied, 1)
         s["loss"] /= len(mbs)
-        s["replay_diff"], s["replay_total"] = self.routing_mismatch()
+        self.routing_mismatch()
+        s["replay_diff"], s["replay_total"] = s_replay
         return self._reduce(s)
 
     def _reduce(self, s: dict) -> dict:
@@ -865,9 +875,17 @@ class Actor:
                 spec.append([name, str(fp8), shape])
                 spec.append([name + FP8_SCALE, str(torch.float32), shape[:-2] + [-(-shape[-2] // 128), -(-shape[-1] // 128)]])
                 continue
-            dt = t.dtype if not t.is_floating_point() or Transformer.keeps_fp32(name) else dtype
+            dt = t.dtype if self._sent_as_held(name, t) else dtype
             spec.append([name, str(dt), shape])
         return spec
+
+    def _sent_as_held(self, name: str, t: torch.Tensor) -> bool:
+        """Whether a tensor the actor does not quantize travels in its own dtype: integers, the fp32-kept ones,
+        and (an FP8 rollout with sync_fp8 off) the FP8-held weights, which the rollout quantizes on arrival from
+        the actor's own values (cast to the rollout dtype first, they were rounded twice: other FP8 bytes than
+        sync_fp8 gives)."""
+        return (not t.is_floating_point() or Transformer.keeps_fp32(name)
+                or (self.cfg.rollout.fp8 and is_fp8_held(name)))
 
     def full_weights(self, dtype, fp8=None, checksums: dict | None = None, dst=None):
         """Collective over the actor ranks: the tensors of weight_spec(dtype, fp8), in order. checksums, if given,
@@ -878,13 +896,14 @@ class Actor:
         j = 0
         for name, t in full_state(self.model, self.d.mesh):
             quantized = fp8 is not None and is_fp8_held(name)
-            keep = quantized or not t.is_floating_point() or Transformer.keeps_fp32(name)
+            keep = quantized or self._sent_as_held(name, t)
             d = dst(j) if dst is not None and not quantized else None
             out = d.copy_(t) if d is not None else t if keep else t.to(dtype)
             q = sc = None
             if quantized or (checksums is not None and is_fp8_held(name)):  # the rollout quantizes on arrival
+                # (from the actor's own values either way: what the rollout must hold whatever travelled)
                 into = (dst(j), dst(j + 1)) if quantized and dst is not None else None
-                q, sc = block_quant(out, fp8 if quantized else fp8_dtype(self.d.device),
+                q, sc = block_quant(t, fp8 if quantized else fp8_dtype(self.d.device),
                                     into if into and None not in into else None)
             j += 2 if quantized else 1
             if checksums is not None and q is not None:
