@@ -593,11 +593,21 @@ def collect_round(client: RolloutClient, started):
     return items, collected(client, handle), version
 
 
-def save_round(path: Path, started):
+def round_settings(cfg: RunConfig) -> dict:
+    """What a saved round was made under: a resume with other values cannot train on it (a group size cuts its
+    samples into other groups; the sampling, the task's prompts and rewards)."""
+    r = cfg.rollout
+    return {"seed": cfg.seed, "train": {"group_size": cfg.train.group_size}, "task": dataclasses.asdict(cfg.task),
+            "rollout": {k: getattr(r, k) for k in ("fp8", "dtype", "temperature", "top_p", "top_k", "max_tokens",
+                                                   "max_model_len")}}
+
+
+def save_round(path: Path, started, cfg: RunConfig):
     """A collected first round (collect_round's) as pending.json + pending.safetensors in a checkpoint directory."""
     items, got, version = started
     outs = got.outs
-    meta = {"version": version, "gen_s": got.gen_s, "items": [dataclasses.asdict(it) for it in items],
+    meta = {"version": version, "gen_s": got.gen_s, "settings": round_settings(cfg),
+            "items": [dataclasses.asdict(it) for it in items],
             "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.token_ids for o in outs],
             "finish": [o.finish_reason for o in outs]}
     save_file({"logprobs": torch.tensor([x for o in outs for x in o.logprobs], dtype=torch.float64),
@@ -605,12 +615,18 @@ def save_round(path: Path, started):
     (path / "pending.json").write_text(json.dumps(meta))
 
 
-def load_round(path: Path):
-    """save_round's first round back (None where the checkpoint holds none)."""
+def load_round(path: Path, cfg: RunConfig):
+    """save_round's first round back (None where the checkpoint holds none, or holds one made under other
+    settings: said, and dropped; the step then draws new prompts)."""
     if not (path / "pending.json").exists():
         return None
     try:
         meta = json.loads((path / "pending.json").read_text())
+        bad = [d.lstrip(".") for d in _diff(meta["settings"], json.loads(json.dumps(round_settings(cfg))), "")]
+        if bad:
+            print(f"{path}: its next step's rollout round was made under other settings ({'; '.join(bad[:3])}); "
+                  f"dropped, the step draws new prompts", flush=True)
+            return None
         t = load_file(str(path / "pending.safetensors"))
         lp, rt = t["logprobs"].tolist(), t["routing"]
         outs, o, r = [], 0, 0
@@ -660,6 +676,16 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
     stats["groups_kept"] = min(len(kept), P)
     groups = (kept + dropped)[:P]
     return [(g, r) for g, r, _ in groups], stats, [v for _, _, v in groups]
+
+
+def routing_diff(own: torch.Tensor, rollout: torch.Tensor, attn: torch.Tensor, n_hash: int) -> tuple[float, float]:
+    """(token, layer) expert sets that differ between own and rollout routing (S, T, L, k), and how many were
+    compared: the top-k layers (past the n_hash hash layers) at the positions the rollout fed (each real token
+    but a row's last, whose row make_batch copies); the gates' replay statistics count the same under R3."""
+    fed = F.pad(attn[:, 1:], (0, 1)).bool()
+    a, b = own[:, :, n_hash:].sort(-1).values, rollout[:, :, n_hash:].to(own.dtype).sort(-1).values
+    diff = (a != b).any(-1) & fed[:, :, None]
+    return float(diff.sum()), float(fed.sum()) * a.shape[2]
 
 
 def make_batch(groups, cfg: RunConfig, pad_id: int, n_layers: int, top_k: int) -> dict:
@@ -771,12 +797,12 @@ class Actor:
         old = torch.zeros_like(b["rollout_lp"])
         ref = torch.zeros_like(b["rollout_lp"]) if self.ref is not None else None
         replay = b["routing"].long() if mode == "R3" else None
-        own = torch.zeros_like(b["routing"]) if mode == "R2" else None
+        own = torch.zeros_like(b["routing"]) if mode != "R3" else None
         ent = 0.0
         with torch.no_grad():
             for rows in self.micro(mine):
                 rp = None if replay is None else replay[rows]
-                if mode == "R2":
+                if own is not None:
                     (lp, e), routing = self.forward_lp(self.model, b, rows, None, return_routing=True)
                     own[rows] = routing.to(own.dtype)
                 else:
@@ -784,11 +810,14 @@ class Actor:
                 old[rows], ent = lp, ent + e.item()
                 if self.ref is not None:
                     ref[rows] = self.forward_lp(self.ref, b, rows, rp)[0]
+        # routing_mismatch: the pi_old pass's expert sets (the policy the rollout sampled from, in BF16) against the
+        # rollout's, over the tokens it fed; R3's gates count them as they replay, else they are compared here
+        if own is None:
+            s_replay = self.routing_mismatch()
+        else:
+            s_replay = routing_diff(own[mine], b["routing"][mine], b["attn"][mine], self.cfg.model.num_hash_layers)
         if mode == "R2":
             replay = own.long()
-        # routing_mismatch: the pi_old pass's (the policy the rollout sampled from, in BF16); the updates' passes
-        # count none
-        s_replay = self.routing_mismatch()
         mask = b["loss_mask"]
         s = {"tokens": mask[mine].sum().item(), "entropy": ent, "clip": 0.0, "tis_trunc": 0.0, "loss": 0.0,
              "grad_norm": 0.0}
@@ -832,7 +861,7 @@ class Actor:
             self.opt_steps += 1
         s["grad_norm"] /= max(applied, 1)
         s["loss"] /= len(mbs)
-        self.routing_mismatch()
+        self.routing_mismatch()  # (clears what the updates' replaying passes counted)
         s["replay_diff"], s["replay_total"] = s_replay
         return self._reduce(s)
 
@@ -956,7 +985,7 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pe
     dist.barrier(group=d.actor_group)
     if d.rank == 0:
         if pending is not None:
-            save_round(tmp, pending)
+            save_round(tmp, pending, cfg)
         meta = {"step": step, "opt_steps": actor.opt_steps, "adam_t": actor.opt.t, "task": task.state(),
                 "world": d.world, "n_actor": d.n_actor, "ep": d.mesh.ep, "python_rng": list(random.getstate()[1]),
                 "config": cfg.to_dict()}
@@ -1194,7 +1223,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
     # checkpoint holds)
     pending = None
     if ckpt is not None and cfg.train.off_policy_steps and start < cfg.train.steps:
-        pending = load_round(ckpt)
+        pending = load_round(ckpt, cfg)
     try:
         for step in bar:
             with phase(f"GRPO step {step}"):

@@ -298,10 +298,9 @@ class ModelConfig:
         else:
             key = "rope_scaling" if g.get("rope_scaling") is not None else "rope_parameters"
             rs = g.get("rope_scaling", rp if isinstance(rp, dict) and rp else None)
+            # (a flat dict's own rope_theta is not read: transformers gives the sliding layers rope_theta and the
+            # compressed ones compress_rope_theta whatever it says)
             out["rope_scaling"] = None if rs is None else yarn_of(rs, key)
-            if out["rope_scaling"] is not None and isinstance(rp, dict) and rp.get("rope_theta") \
-                    and "rope_theta" not in g:
-                out["rope_theta"] = rp["rope_theta"]
         return cls.from_dict(out, where)
 
     def to_hf_config(self, quantization: dict | None = None) -> dict:

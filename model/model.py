@@ -950,7 +950,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, replay_experts=None, return_routing: bool = False,
                 return_hidden: bool = False, targets_mask=None, temperature: float = 1.0):
-        """input_ids (B, T) long -> logits (B, T, V) [, routing (B, T, L, k) long].
+        """input_ids (B, T) integers -> logits (B, T, V) [, routing (B, T, L, k) long].
 
         attention_mask (B, T): 1 for real tokens, right padding only. Causality already keeps every real
         token from seeing the padding after it, so the mask is only checked here (and used for statistics).

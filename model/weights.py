@@ -149,25 +149,29 @@ class _Shards:
         return next((k for k in self.scale_names(key) if k in self.wm), None)
 
 
-def _decode(key: str, t: torch.Tensor, shards: _Shards, device, halves: int = 1) -> torch.Tensor:
+def _decode(key: str, t: torch.Tensor, shards: _Shards, device, halves: int = 1, rows: slice | None = None
+            ) -> torch.Tensor:
     """Raw checkpoint tensor -> a floating (or integer) tensor on `device`, dequantized if it has a scale.
     halves 2 (a fused gate_up_proj): FP8 block scales may cover the gate and up halves apart (transformers gives
-    each half its own rows of blocks where the half is not a whole number of 128-row blocks)."""
+    each half its own rows of blocks where the half is not a whole number of 128-row blocks). rows: the dim-0
+    slice (of a stacked expert tensor) wanted, taken before the copy and the dequantization."""
     scale_key = shards.scale_for(key)
     if t.dtype in FLOAT8 and scale_key is None:
         raise WeightError(f"tensor '{key}' is {t.dtype} but has no block scale "
                           f"({' or '.join(repr(k) for k in shards.scale_names(key))})")
+    full = tuple(t.shape)
+    if rows is not None:
+        t = t[rows]
     if t.dtype in FLOAT8 or (t.dtype in FP4 and scale_key is not None):
-        s = shards.get(scale_key).to(device)
-        t = t.to(device)
-        if s.ndim != t.ndim or s.shape[:-2] != t.shape[:-2]:
-            raise WeightError(f"tensor '{key}' {tuple(t.shape)}: its scale '{scale_key}' has shape "
-                              f"{tuple(s.shape)}")
+        s = shards.get(scale_key)
+        if s.ndim != len(full) or tuple(s.shape[:-2]) != full[:-2]:
+            raise WeightError(f"tensor '{key}' {full}: its scale '{scale_key}' has shape {tuple(s.shape)}")
+        s, t = (s if rows is None else s[rows]).to(device), t.to(device)
         try:
             if t.dtype in FP4:
                 return dequant_mxfp4(t, s, torch.float32)
             n = t.shape[-2] // halves
-            if halves > 1 and s.shape[-2] == halves * -(-n // BLOCK):  # each half its own block rows
+            if halves > 1 and n % BLOCK and s.shape[-2] == halves * -(-n // BLOCK):  # each half its own block rows
                 r = s.shape[-2] // halves
                 return torch.cat([dequant_fp8_block(t[..., h * n:(h + 1) * n, :], s[..., h * r:(h + 1) * r, :],
                                                     torch.float32, BLOCK) for h in range(halves)], -2)
@@ -271,20 +275,26 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                 leaves = ("w1", "w3") if gate_up else ("w2",)
                 w = getattr(mod, leaves[0])
                 want = (E, 2 * w.shape[1], w.shape[2]) if gate_up else (E, *w.shape[1:])
-                t = _decode(key, shards.get(key), shards, device, halves=2 if gate_up else 1)
-                if tuple(t.shape) != want:
-                    raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
+                raw = shards.get(key)
+                rows, start = own_experts(mod, leaves[0])  # (w1, w3 and w2 hold the same experts)
+                lo = mod.expert_offset
+                held = slice(lo + rows.start, lo + rows.stop)  # this rank's experts only: decoded, copied
+                if raw.ndim != 3 or raw.shape[0] != E:
+                    raise WeightError(f"tensor '{key}': shape {tuple(raw.shape)} in the checkpoint, the model "
                                       f"(config.json) expects {want} (experts x rows x columns)")
+                t = _decode(key, raw, shards, device, halves=2 if gate_up else 1, rows=held)
+                if tuple(t.shape[1:]) != want[1:]:
+                    raise WeightError(f"tensor '{key}': shape {(E, *t.shape[1:])} in the checkpoint (decoded), the "
+                                      f"model (config.json) expects {want} (experts x rows x columns)")
                 check_kind(key, t, w)
-                lo, inter = mod.expert_offset, want[1] // 2
+                inter = want[1] // 2
                 for leaf in leaves:
                     for g in range(E):
                         claim((f"{m.group(1)}.{leaf}", g), key)
-                    rows, start = own_experts(mod, leaf)
                     part = t if leaf == "w2" else (t[:, :inter] if leaf == "w1" else t[:, inter:])
                     with torch.no_grad():
                         for e in rows:
-                            _local(getattr(mod, leaf))[e - start].copy_(part[lo + e])
+                            _local(getattr(mod, leaf))[e - start].copy_(part[e - rows.start])
                             filled.add((f"{m.group(1)}.{leaf}", e))
                 continue
             if name == "head.weight" and tied:

@@ -101,3 +101,19 @@ def test_token_logprobs_match_full_logits():
     want = full.gather(-1, ids[:, 1:, None])[..., 0] * mask
     assert torch.allclose(lp, want, atol=1e-5)
     assert ent.item() == pytest.approx((-(full.exp() * full).sum(-1) * mask).sum().item(), rel=1e-4)
+
+
+def test_routing_diff_counts_the_fed_top_k_positions():
+    """routing_mismatch outside R3: expert sets (order aside) of the top-k layers that differ, at the positions the
+    rollout fed (each real token but a row's last)."""
+    from train_grpo import routing_diff
+    rollout = torch.tensor([[[[0, 1], [2, 3]]] * 4, [[[0, 1], [2, 3]]] * 4], dtype=torch.uint8)  # (2, 4, 2, 2)
+    own = rollout.long().clone()
+    own[0, 0, 1] = torch.tensor([3, 2])      # the same set, another order: no difference
+    own[0, 1, 1] = torch.tensor([2, 4])      # differs
+    own[0, 3, 1] = torch.tensor([5, 6])      # row 0's last real token: not fed, not counted
+    own[1, 0, 0] = torch.tensor([7, 1])      # layer 0 is a hash layer: not counted
+    own[1, 1, 1] = torch.tensor([1, 0])      # row 1 has 2 real tokens: position 1 is its last
+    attn = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    assert routing_diff(own, rollout, attn, n_hash=1) == (1.0, 4.0)   # 3 + 1 fed positions x 1 top-k layer
+    assert routing_diff(own, rollout, attn, n_hash=0) == (2.0, 8.0)

@@ -94,6 +94,17 @@ def test_config_json_forms_transformers_reads_alike(tmp_path):
         with torch.no_grad():
             assert (ours(ids) - hf(ids).logits).abs().max() <= TOL, name
     assert load_pretrained(tmp_path / "no_rope_width", progress=False).cfg.qk_rope_head_dim == 8
+    # a flat YaRN rope_parameters with its own rope_theta: transformers keeps rope_theta / compress_rope_theta
+    d = tmp_path / "flat"
+    make_hf("mixed", 0).save_pretrained(d)
+    c = json.loads((d / "config.json").read_text())
+    c["rope_parameters"] = {**yarn, "rope_theta": 123456.0}
+    c.pop("rope_theta", None)
+    (d / "config.json").write_text(json.dumps(c))
+    hf_cfg = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32).config
+    ours = load_pretrained(d, progress=False).cfg
+    assert (ours.rope_theta, ours.compress_rope_theta) == (hf_cfg.rope_parameters["main"]["rope_theta"],
+                                                          hf_cfg.rope_parameters["compress"]["rope_theta"])
     for kw, key in [(dict(rope_parameters={"rope_type": "linear", "factor": 4.0}), "rope_type"),
                     (dict(rope_parameters={**yarn, "attention_factor": 1.5}), "attention_factor"),
                     (dict(hidden_act="gelu"), "hidden_act")]:

@@ -78,6 +78,13 @@ def test_off_policy_resume_repeats_the_uninterrupted_run(tmp_path):
     assert "resumed from step 2" in finish(launch(tmp_path / "run", 3, X, resume="auto"))
     ref, run = metrics(tmp_path / "ref"), metrics(tmp_path / "run")
     assert ref[2]["staleness"] > 0 and [comparable(r) for r in run] == [comparable(r) for r in ref]
+    # a resume under another group size (or sampling, task, seed) cannot train on the kept round: it is dropped
+    cfg = RunConfig.load("configs/tiny.yaml", [*recovery.SMALL, *X])
+    ck = tmp_path / "run" / "checkpoints" / "step_000002"
+    items, got, version = train_grpo.load_round(ck, cfg)
+    assert len(got.outs) == len(items) * cfg.train.group_size and version == 1
+    other = RunConfig.load("configs/tiny.yaml", [*recovery.SMALL, *X, "train.group_size=2"])
+    assert train_grpo.load_round(ck, other) is None
 
 
 @pytest.mark.parametrize("fault, says", [
