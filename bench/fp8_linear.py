@@ -212,6 +212,8 @@ def main():
     ap.add_argument("--moe", action="store_true", help="also the grouped expert kernels")
     ap.add_argument("--no-linears", action="store_true", help="skip the linears (with --moe: the experts only)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/fp8_linear.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     c = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{torch.cuda.get_device_name()}, {args.config}")

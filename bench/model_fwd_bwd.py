@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/model_fwd_bwd.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     peak = matmul_peak()
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)

@@ -174,6 +174,8 @@ def main(argv=None):
                     "KERNELS_PDL=0 gives each kernel's own)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/rollout.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
 
     def sizes(flag: str, text: str) -> list[int]:
         """A comma list of positive integers ('' for none), or a usage error naming the flag."""

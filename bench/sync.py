@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,10 @@ def main(argv=None):
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=Path, help="write each rank's torch.profiler table to PROFILE.rank{0,1}.txt")
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit("bench/sync.py runs under torchrun: torchrun --standalone --nproc-per-node 2 bench/sync.py [...]")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/sync.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     cfg = RunConfig.load(args.config, ["deploy.world_size=2", "deploy.rollout_ranks=1", "train.compile=false"])
     d = init_dist(cfg)
     buf = torch.empty(2 ** 30, dtype=torch.uint8, device=d.device)

@@ -44,6 +44,10 @@ def main(argv=None):
                     help="torch.compile the torch twins of the fused ops (no effect where the Triton kernels run)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit("bench/train.py runs under torchrun: torchrun --standalone --nproc-per-node N bench/train.py [...]")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/train.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     run = RunConfig.load(args.config)  # the whole config validated, as train_grpo.py loads it
     cfg = run.model
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import CSA, HCA, ModelConfig
+from .config import CSA, HCA, ConfigError, ModelConfig
 
 GB = 1e9
 
@@ -96,8 +96,14 @@ def attention_chunk_bytes(cfg: ModelConfig, seq: int, chunk: int = 512) -> float
 def plan(run) -> dict:
     """run: train_grpo.RunConfig. -> {"actor": {...}, "rollout": {...}, "host": {...}, "fits": bool, ...}."""
     cfg, dep, tr, ro = run.model, run.deploy, run.train, run.rollout
+    if not dep.world_size:
+        raise ConfigError("deploy.world_size: the plan needs the world size (0 means any world to the trainer)")
+    run.validate_world(dep.world_size)  # the trainer's rank checks: ep, rollout ranks, the batch split
     ps = param_split(cfg)
     n_actor = dep.world_size - dep.rollout_ranks
+    # a micro-batch as the trainer cuts one: train.micro_batch (0: all) of a rank's share of a mini-batch
+    share = tr.prompts_per_step * tr.group_size // (tr.minibatches * n_actor)
+    micro = min(tr.micro_batch, share) if tr.micro_batch else share
     esize = 2 if tr.dtype == "bf16" else 4
     per_param = ps["total"] / n_actor
     a = {"params (fp32 master)": 4 * per_param, "grads (fp32)": 4 * per_param,
@@ -107,11 +113,11 @@ def plan(run) -> dict:
         else ps["dense"] + cfg.num_hidden_layers * local_experts_layer  # every block's copy, forward to backward
     a["FSDP working copies"] = esize * gathered \
         + 4 * (ps["layer_dense_max"] + local_experts_layer)  # one layer's unsharded fp32 gradient for reduce
-    tokens = (tr.micro_batch or 1) * ro.max_model_len
+    tokens = micro * ro.max_model_len
     act = activations(cfg, tokens, esize, tr.activation_checkpointing)
     a["activations"] = act["kept"]
     a["one layer recomputed (transient)"] = act["recompute"]
-    a["attention chunk (transient)"] = (tr.micro_batch or 1) * attention_chunk_bytes(cfg, ro.max_model_len)
+    a["attention chunk (transient)"] = micro * attention_chunk_bytes(cfg, ro.max_model_len)
     a["logits (chunked head)"] = 3 * 4 * min(tokens, 1024) * cfg.vocab_size
     sync = 2 * ro.sync_bucket_mb * 2 ** 20  # two persistent buckets each side (GraphPacker / WeightApplier)
     a["weight-sync buckets (rank 0)"] = sync
@@ -185,8 +191,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sys.path.insert(0, ".")
     from train_grpo import RunConfig
-    run = RunConfig.load(args.config, args.overrides)
-    p = plan(run)
+    try:
+        run = RunConfig.load(args.config, args.overrides)
+        p = plan(run)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
     print(report(run, p))
     return p
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig, load_yaml
+from .config import ConfigError, ModelConfig, load_yaml
 from .model import build_model
 from .weights import load_pretrained, save_pretrained
 
@@ -25,14 +25,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def read_sequences(path: Path, vocab: int) -> list[list[int]]:
     seqs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--tokens {path}: cannot read ({type(e).__name__}: {e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             ids = json.loads(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
-        if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                                and 0 <= i < vocab for i in ids):
             raise SystemExit(f"{path}:{n}: expected a list of >= 2 token ids in [0, {vocab})")
         seqs.append(ids)
     if not seqs:
@@ -68,17 +73,27 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-
-    if args.init is not None:
-        cfg = ModelConfig.from_dict(load_yaml(args.init).get("model"), f"{args.init}: model")
-        model = build_model(cfg, device, dtype, seed=args.seed)
-        if args.save is not None:
-            save_pretrained(model, args.save)
-            print(f"saved {cfg.param_counts()['total'] / 1e6:.2f}M parameters to {args.save}")
-            model = load_pretrained(args.save, device, dtype)
-    else:
-        model = load_pretrained(args.model, device, dtype)
+    if args.tokens is None and (args.seq_len < 2 or args.num_seqs < 1):
+        ap.error(f"--seq-len {args.seq_len} / --num-seqs {args.num_seqs}: at least 2 tokens (one predicted) and "
+                 "one sequence")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        ap.error(f"--device {args.device}: {e}")
+    dtype = DTYPES[args.dtype]
+    try:
+        if args.init is not None:
+            cfg = ModelConfig.from_dict(load_yaml(args.init).get("model"), f"{args.init}: model")
+            model = build_model(cfg, device, dtype, seed=args.seed)
+            if args.save is not None:
+                save_pretrained(model, args.save)
+                print(f"saved {cfg.param_counts()['total'] / 1e6:.2f}M parameters to {args.save}")
+                model = load_pretrained(args.save, device, dtype)
+        else:
+            model = load_pretrained(args.model, device, dtype)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # WeightError is a ValueError
+        raise SystemExit(f"{type(e).__name__}: {e}") from None
     cfg = model.cfg
     if args.tokens is not None:
         seqs = read_sequences(args.tokens, cfg.vocab_size)

@@ -5,6 +5,7 @@ vocab_size, and apply_chat(prompt) -> ids (BOS + the chat template around the pr
 """
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 CHARS = "0123456789+-*=:,?|()<>abcdefghijklmnopqrstuvwxyz "
@@ -31,7 +32,12 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the built-in alphabet {self.alphabet!r}") from None
 
     def decode(self, ids) -> str:
+        """Specials and the ids past the alphabet (a vocabulary larger than it) decode to nothing."""
         n = len(self.specials)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"decode: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return "".join(self.alphabet[i - n] if n <= i < n + len(self.alphabet) else "" for i in ids)
 
     def apply_chat(self, prompt: str) -> list[int]:
@@ -59,13 +65,17 @@ class HFTokenizer:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers package raises its own plain Exception for a bad file
             raise ValueError(f"{path}: not a tokenizer the tokenizers package reads ({e})") from None
-        if "{prompt}" not in template:
-            raise ValueError(f"chat template {template!r} has no {{prompt}} placeholder")
-        try:
+        if not isinstance(template, str):
+            raise TypeError(f"chat template {template!r}: a format string with one {{prompt}} placeholder")
+        try:  # the fields as str.format reads them ("{{prompt}}" is a literal, "{prompt:>10}" a placeholder)
+            fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
             template.format(prompt="")
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"chat template {template!r}: {type(e).__name__} {e} (it takes one placeholder, "
                              f"{{prompt}}; write a literal brace as {{{{ or }}}})") from None
+        if "prompt" not in fields:
+            raise ValueError(f"chat template {template!r} has no {{prompt}} placeholder (a literal {{{{prompt}}}} "
+                             f"is not one)")
         self.template = template
         self.vocab_size = self.tok.get_vocab_size()
 
@@ -84,7 +94,11 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"decode: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def apply_chat(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):

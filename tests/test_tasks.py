@@ -136,11 +136,21 @@ def test_hf_tokenizer_trained_here_with_chat_template(tmp_path):
         HFTokenizer(tmp_path, eos="<nope>")
     with pytest.raises(ValueError, match="placeholder"):
         HFTokenizer(tmp_path, template="no slot")
+    # "{{prompt}}" is a literal brace pair, not a placeholder: every prompt came out the same text
+    with pytest.raises(ValueError, match="has no {prompt} placeholder"):
+        HFTokenizer(tmp_path, template="<user> {{prompt}} <assistant>")
+    assert HFTokenizer(tmp_path, template="{prompt:>3}").apply_chat("two") == hf.encode("two")
+    for bad in ([5, hf.vocab_size], [5, -1]):  # were dropped silently / an OverflowError
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            hf.decode(bad)
 
 
 def test_char_tokenizer():
     t = CharTokenizer("0123456789:")
     assert t.vocab_size == 14 and t.apply_chat("12:") == [1, 4, 5, 13]
     assert t.decode([4, 5, 2, 13]) == "12:"
+    with pytest.raises(ValueError, match="token id 14 outside the vocabulary"):
+        t.decode([4, 14])
+    assert CharTokenizer("01", vocab_size=8).decode([3, 7]) == "0"  # ids past the alphabet: nothing
     with pytest.raises(ValueError, match="not in the built-in alphabet"):
         t.encode("a")
