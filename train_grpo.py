@@ -29,8 +29,10 @@ The algorithm, every choice named (defaults in TrainConfig):
     gradient clipping at train.grad_clip (global norm).
     A batch in which every advantage is zero is not stepped on (Adam's momentum would move the weights with no
     signal); the metrics record it as skipped_update.
-  * Routing replay (train.routing_replay): off, or R3 = the actor's forward uses the expert ids the rollout
-    engine picked (gate weights still come from the actor's scores, so the router learns).
+  * Routing replay (train.routing_replay): off; R2 = every update pass uses the expert ids the actor's own pi_old
+    pass picked; or R3 = the actor's forward uses the expert ids the rollout engine picked. Gate weights still come
+    from the actor's scores, so the router learns. routing_mismatch: the fraction of (token, top-k layer) expert
+    sets the pi_old pass picks differently from the rollout, over the tokens the rollout fed.
   * Logged mismatch between the rollout and the actor: mismatch_kl = mean k3 estimate of KL(mu || pi_old)
     over completion tokens, and mean |log mu - log pi_old|.
   * A mini-batch whose loss or global gradient norm is NaN/Inf is not stepped on (nonfinite_updates in the
