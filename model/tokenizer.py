@@ -11,6 +11,15 @@ from pathlib import Path
 CHARS = "0123456789+-*=:,?|()<>abcdefghijklmnopqrstuvwxyz "
 
 
+def checked_ids(ids) -> list[int]:
+    """ids as ints; a negative one (no model samples it) is a ValueError (the tokenizers package raised a bare
+    OverflowError)."""
+    ids = [int(i) for i in ids]
+    if any(i < 0 for i in ids):
+        raise ValueError(f"decode: negative token id {min(ids)}")
+    return ids
+
+
 class CharTokenizer:
     """One token per character of a fixed alphabet, after <pad>=0, <bos>=1, <eos>=2."""
 
@@ -32,13 +41,9 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the built-in alphabet {self.alphabet!r}") from None
 
     def decode(self, ids) -> str:
-        """Specials and the ids past the alphabet (a vocabulary larger than it) decode to nothing."""
+        """Specials and the ids past the alphabet (a model's vocabulary padded past it) decode to nothing."""
         n = len(self.specials)
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"decode: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return "".join(self.alphabet[i - n] if n <= i < n + len(self.alphabet) else "" for i in ids)
+        return "".join(self.alphabet[i - n] if n <= i < n + len(self.alphabet) else "" for i in checked_ids(ids))
 
     def apply_chat(self, prompt: str) -> list[int]:
         return [self.bos_id] + self.encode(prompt)
@@ -94,11 +99,8 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"decode: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return self.tok.decode(ids, skip_special_tokens=True)
+        """Ids past the tokenizer's vocabulary (a model's embedding padded past it) decode to nothing."""
+        return self.tok.decode(checked_ids(ids), skip_special_tokens=True)
 
     def apply_chat(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
