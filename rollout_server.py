@@ -1677,11 +1677,10 @@ class Watchdog:
             self.beat = None
 
     def unshare(self):
-        """Stop sharing and close the store connection (before the process ends: a connection torn down by the
-        interpreter's exit while the watchdog thread used it aborted the process)."""
+        """Stop sharing and close the store connection (its last reference dropped here, before the process ends:
+        a connection torn down by the interpreter's exit while the watchdog thread used it aborted the process)."""
         with self.beat_lock:
-            beat, self.beat = self.beat, None
-        del beat
+            self.beat = None
 
     def _share_beat(self):
         with self.beat_lock:
