@@ -23,6 +23,24 @@ def input_dependent(model, seed: int = 0):
     return model
 
 
+def saved_activation_bytes(model, B: int, T: int) -> int:
+    """Bytes of the tensors autograd saves in one training forward of (B, T) random tokens through model (scored at
+    every position), each storage once, parameters and buffers aside: what model.plan's activations model."""
+    held = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in held:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, model.cfg.vocab_size, (B, T), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, targets_mask=torch.ones(B, T - 1, device=dev))
+    return sum(seen.values())
+
+
 @pytest.fixture
 def bpe(tmp_path):
     """make(texts) trains a small BPE tokenizer.json in tmp_path (the tokenizers extra) and returns the tokenizer;

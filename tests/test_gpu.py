@@ -368,6 +368,28 @@ def test_fused_hc_and_norms(n, monkeypatch):
     assert rel(fused.swiglu(gs, us, 10.0), _swiglu(gs, us, 10.0)) < 1e-2
 
 
+@pytest.mark.parametrize("ov,B,T", [
+    (["model.num_hidden_layers=4", "model.compress_ratios=[0,4,128,4]"], 1, 2048),
+    (["model.num_hidden_layers=2", "model.num_hash_layers=1", "model.compress_ratios=[4,128]", "model.hidden_size=1024",
+      "model.hc_mult=2", "model.num_attention_heads=8", "model.moe_intermediate_size=512",
+      "model.num_experts_per_tok=4", "model.q_lora_rank=256", "model.o_lora_rank=256", "model.o_groups=2"], 2, 1024),
+])
+def test_planned_activations_bound_the_kernels_saved_tensors(ov, B, T):
+    """model.plan's activations (the GPU kernels' path) against what autograd keeps on this GPU: never below, at
+    most 1.1x, with and without activation checkpointing (mini.yaml's dims in four layers of every type, and a
+    narrower variant)."""
+    from model import ModelConfig, build_model
+    from model.config import load_yaml
+    from model.plan import activations
+    from tests.conftest import saved_activation_bytes
+    cfg = ModelConfig.from_dict(load_yaml("configs/mini.yaml", ov)["model"])
+    m = build_model(cfg, device="cuda", dtype=torch.bfloat16, seed=0).train()
+    for ckpt in (False, True):
+        m.activation_checkpointing = ckpt
+        ratio = activations(cfg, B * T, 2, ckpt, seq=T)["kept"] / saved_activation_bytes(m, B, T)
+        assert 1.0 <= ratio <= 1.1, (ckpt, ratio)
+
+
 def test_training_kernels_forward_and_backward():
     """rope, RMSNorm (weighted and not) and SwiGLU with their backward kernels, and the grouped output projection,
     at the training shapes in bf16, against the torch twins computed in fp32 from the same bf16 inputs: within bf16
