@@ -124,9 +124,32 @@ def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
             "decode_tokens_per_s": B * (new_tokens - 1) / (tn - t1)}
 
 
+def kernel_shares(events) -> dict:
+    """events: (name, start, end) of GPU kernels -> {name: [launches, summed durations, critical-path share]}. In
+    order of their ends, a kernel's share is the part of its interval no kernel that ended before it covered, so
+    PDL's early starts (a kernel launched while the one before runs, waiting for it) and a side stream's overlap
+    count once: the shares add up to the time some kernel was running."""
+    kern, done = {}, []  # done: the union of the intervals so far, disjoint, in order
+    for name, start, end in sorted(events, key=lambda e: e[2]):
+        k = kern.setdefault(name, [0, 0.0, 0.0])
+        k[0] += 1
+        k[1] += end - start
+        lo, i = start, len(done)
+        while i and done[i - 1][1] >= start:  # the intervals overlapping [start, end] (all end by end)
+            i -= 1
+        covered = sum(min(e, end) - max(s, start) for s, e in done[i:])
+        if i < len(done):
+            lo = min(start, done[i][0])
+        k[2] += (end - start) - covered
+        done[i:] = [(lo, end)]
+    return kern
+
+
 def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> str:
     """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same
-    prompts that differ only in `steps` extra decode steps; their difference, per step."""
+    prompts that differ only in `steps` extra decode steps; their difference, per step. Each kernel's share of the
+    critical path is its end minus the latest kernel end before it (its summed durations overcount: under PDL a
+    kernel starts while the one before runs and waits for it)."""
     from torch.profiler import ProfilerActivity, profile
     eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=max_len)
     prompt = [list(range(1 + i, 65 + i)) for i in range(B)]
@@ -139,20 +162,18 @@ def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> s
             eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        kern = {}
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA":
-                kern[e.key] = (e.count, e.device_time_total)
-        runs.append((wall, kern))
+        runs.append((wall, kernel_shares((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                         if e.device_type.name == "CUDA")))
     (w0, k0), (w1, k1) = runs
-    rows = sorted(((k1[k][0] - k0.get(k, (0, 0))[0], k1[k][1] - k0.get(k, (0, 0))[1], k) for k in k1),
-                  key=lambda r: -r[1])
+    rows = sorted(((*(a - b for a, b in zip(k1[k], k0.get(k, (0, 0.0, 0.0)))), k) for k in k1),
+                  key=lambda r: -r[2])
     n_k = sum(r[0] for r in rows) / steps
     busy = sum(r[1] for r in rows) / steps
     lines = [f"profile, batch-{B} {'FP8' if fp8 else 'BF16'} decode (graphs): {n_k:.0f} kernels a step, "
-             f"GPU busy {busy:.0f} us a step, wall {1e6 * (w1 - w0) / steps:.0f} us a step"]
-    for cnt, us, k in rows[:30]:
-        lines.append(f"  {us / steps:8.1f} us  {cnt / steps:6.1f}x  {k[:110]}")
+             f"kernel time {busy:.0f} us a step, critical path {sum(r[2] for r in rows) / steps:.0f} us, wall "
+             f"{1e6 * (w1 - w0) / steps:.0f} us a step; by kernel: critical-path share, summed time, launches"]
+    for cnt, us, crit, k in rows[:30]:
+        lines.append(f"  {crit / steps:8.1f} us  {us / steps:8.1f} us  {cnt / steps:6.1f}x  {k[:100]}")
     del eng
     return "\n".join(lines)
 
