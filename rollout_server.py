@@ -694,6 +694,9 @@ def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[Sa
     for i, sp in enumerate(params):
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling parameters {i}: {sp!r} is not a SamplingParams")
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
+        if bad:  # (it could never be sampled: a typo, or another model's vocabulary)
+            raise ValueError(f"sampling parameters {i}: stop token id {bad[0]} outside [0, {vocab})")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)) or not isinstance(p, Iterable) or getattr(p, "ndim", 1) != 1:
@@ -2275,6 +2278,9 @@ def read_prompts(path: Path, tokenizer, vocab: int,
         bad = [t for t in d if not 0 <= t < vocab]
         if bad:
             raise SystemExit(f"{path}:{n}: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise SystemExit(f"{path}:{n}: stop token id {bad[0]} outside the model's vocabulary [0, {vocab})")
         out.append((d, sp, n))
     if not out:
         raise SystemExit(f"{path}: no prompts")

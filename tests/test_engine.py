@@ -93,6 +93,9 @@ def test_sampling_seeds_top_k_top_p(model):
     import numpy as np
     sp = SamplingParams(max_tokens=np.int64(3), seed=torch.tensor(4), stop_token_ids=(np.int32(9),))
     assert (type(sp.max_tokens), type(sp.seed), sp.stop_token_ids) == (int, int, [9])
+    V = model.cfg.vocab_size  # a stop id no sample can be (another model's vocabulary, a typo) is refused
+    with pytest.raises(ValueError, match=rf"sampling parameters 1: stop token id {V} outside \[0, {V}\)"):
+        eng.generate(prompts[:2], [sp, SamplingParams(stop_token_ids=[4, V])])
     with pytest.raises(TypeError, match="prompt 0: 5 is not a sequence of token ids"):
         eng.generate([5, 6, 7], sp)  # a flat list: one prompt, not a list of them
     out = eng.generate(torch.tensor([prompts[0]]), sp)[0]  # a (1, T) tensor of prompts: plain ints out

@@ -207,6 +207,8 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     assert rows[0]["token_ids"] != rows[1]["token_ids"] or rows[0]["logprobs"] != rows[1]["logprobs"]
     for bad, msg in (({"prompt_token_ids": [1], "max_token": 3}, "p.jsonl:2: unknown key 'max_token'"),
                      ([1, 99999], "p.jsonl:2: token id 99999 outside the model's vocabulary"),
+                     ({"prompt_token_ids": [1], "stop_token_ids": [3, 99999]},
+                      "p.jsonl:2: stop token id 99999 outside the model's vocabulary"),
                      ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters"),
                      ({"prompt_token_ids": [1], "max_tokens": "5"}, 'p.jsonl:2: max_tokens = "5" is not an integer'),
                      ({"max_tokens": 5}, "p.jsonl:2: expected a non-empty list of token ids"),
