@@ -1360,6 +1360,10 @@ class Engine:
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
+        if max_model_len > self.cfg.max_position_embeddings:
+            warnings.warn(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                          f"{self.cfg.max_position_embeddings}: positions past it are beyond its trained context",
+                          stacklevel=2)
         self.max_seqs, self.max_model_len, self.max_batch_tokens = max_seqs, max_model_len, max_batch_tokens
         n_blocks = self._size_pools(num_blocks, block_entries, mem_fraction)
         if ep is not None:  # identical schedules need identical pools: take the group's smallest

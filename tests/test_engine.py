@@ -105,6 +105,9 @@ def test_sampling_seeds_top_k_top_p(model):
                     (dict(mem_fraction=1.5), r"mem_fraction=1.5 \(in \(0, 1\]\)")):
         with pytest.raises(ValueError, match=msg):
             Engine(model, fp8=False, dtype=torch.float32, device="cpu", **kw)
+    P = model.cfg.max_position_embeddings  # allowed (RoPE extrapolates), but said
+    with pytest.warns(UserWarning, match=f"max_model_len {P + 1} exceeds the model's max_position_embeddings {P}"):
+        Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=P + 1)
 
 
 def test_fp8_holders_and_weight_updates(model):
