@@ -148,8 +148,9 @@ def kernel_shares(events) -> dict:
 def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> str:
     """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same
     prompts that differ only in `steps` extra decode steps; their difference, per step. Each kernel's share of the
-    critical path is its end minus the latest kernel end before it (its summed durations overcount: under PDL a
-    kernel starts while the one before runs and waits for it)."""
+    time some kernel was running (kernel_shares; on one chain of dependent kernels, the critical path less the idle
+    gaps) beside its summed durations, which overcount: under PDL a kernel starts while the one before runs and
+    waits for it."""
     from torch.profiler import ProfilerActivity, profile
     eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=max_len)
     prompt = [list(range(1 + i, 65 + i)) for i in range(B)]
@@ -170,8 +171,8 @@ def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> s
     n_k = sum(r[0] for r in rows) / steps
     busy = sum(r[1] for r in rows) / steps
     lines = [f"profile, batch-{B} {'FP8' if fp8 else 'BF16'} decode (graphs): {n_k:.0f} kernels a step, "
-             f"kernel time {busy:.0f} us a step, critical path {sum(r[2] for r in rows) / steps:.0f} us, wall "
-             f"{1e6 * (w1 - w0) / steps:.0f} us a step; by kernel: critical-path share, summed time, launches"]
+             f"kernel time {busy:.0f} us a step, a kernel running {sum(r[2] for r in rows) / steps:.0f} us, wall "
+             f"{1e6 * (w1 - w0) / steps:.0f} us a step; by kernel: share of the running time, summed time, launches"]
     for cnt, us, crit, k in rows[:30]:
         lines.append(f"  {crit / steps:8.1f} us  {us / steps:8.1f} us  {cnt / steps:6.1f}x  {k[:100]}")
     del eng

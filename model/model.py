@@ -402,6 +402,12 @@ class _GroupedLinear(torch.autograd.Function):
         return gx, gw
 
 
+def query_block(window: int, T: int) -> int:
+    """Queries a block of the full-sequence attention: 128 (fewer for short sequences: no padding to 128), at least
+    the window. A block's logits are over its bq + window keys; T is padded to whole blocks."""
+    return max(window, min(128, T))
+
+
 class Attention(nn.Module):
     LOGITS_BUDGET = 1 << 28  # elements of one checkpointed chunk's logits (window + compressed entries)
 
@@ -505,7 +511,7 @@ class Attention(nn.Module):
                 comp_mask = (torch.arange(S, device=x.device) < ((pos + 1) // self.compressor.ratio)[:, None])[None]
             comp = comp.to(q.dtype)
         W = self.window
-        bq = max(W, min(128, T))  # blocks of 128 queries (fewer for short sequences: no padding to 128)
+        bq = query_block(W, T)
         if chunk is None:
             chunk = self.LOGITS_BUDGET // max(1, B * self.n_heads * (bq + W + S))
         chunk = bq * max(1, chunk // bq)

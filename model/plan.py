@@ -6,8 +6,8 @@ Actor rank: fp32 master parameters, fp32 gradients and AdamW moments (8 bytes pe
 train.optimizer_offload), all sharded over the actor ranks (experts over their expert-parallel slice, then
 FSDP); the working copies FSDP gathers in the compute dtype (one layer and the next plus the root's embedding and
 head; every layer's with train.reshard_after_forward false); activations of one micro-batch of
-rollout.max_model_len tokens a sequence, what the GPU training kernels save (with activation checkpointing: every
-layer's input streams plus one layer's recomputation).
+rollout.max_model_len tokens a sequence, what bf16 training through the GPU kernels saves (with activation
+checkpointing: every layer's input streams plus one layer's recomputation).
 Rollout rank: FP8 dense linears and experts (the experts split over rollout.ep ranks) with their block scales,
 the BF16/fp32 rest, the cache pools for rollout.max_seqs sequences of rollout.max_model_len tokens, and the
 decode step's working set.
@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from .config import CSA, HCA, ConfigError, ModelConfig
+from .model import query_block
 
 GB = 1e9
 
@@ -62,54 +63,61 @@ def param_split(cfg: ModelConfig) -> dict:
             "fp32_kept": fp32_kept}
 
 
-def activation_bytes_per_token(cfg: ModelConfig, esize: int, kernels: bool = True, seq: int = 4096) -> dict:
-    """Bytes autograd keeps per token, by part: "layers" = each layer's saved tensors, "stream" = a layer's input
-    streams (what activation checkpointing keeps), "head" = the final collapse, norm and the head's logits of every
-    scored position (the chunked head keeps them for the backward) and the RoPE tables.
-    kernels: the GPU training path (Triton kernels forward and backward: each mHC keeps its bf16 input streams and
-    a few fp32 numbers a token, RMSNorm its input); else the torch twins (CPU: mHC keeps fp32 stream copies and
-    the Sinkhorn iterates). Either way attention keeps only each query chunk's inputs (its logits are recomputed
-    in backward). seq: the sequence length (a CSA / HCA layer keeps a (seq, seq / ratio) mask of the entries a
-    query sees). Kernel figures from the saved tensors on an H200 (mini.yaml's dims and a narrower variant, 1-4k
-    tokens a sequence; tests/test_gpu.py keeps them within 1.0-1.1x)."""
+def activation_bytes_per_token(cfg: ModelConfig, esize: int, kernels: bool, seq: int) -> dict:
+    """Bytes autograd keeps per token of sequences of seq tokens, by part: "layers" = each layer's saved tensors,
+    "stream" = a layer's input streams (what activation checkpointing keeps), "head" = the final collapse, norm and
+    the head's logits of every scored position (the chunked head keeps them for the backward); and "position" =
+    bytes a position rather than a token (the RoPE tables, shared by the micro-batch's sequences).
+    kernels: bf16 training on GPUs (the Triton kernels forward and backward: each mHC keeps its bf16 input streams
+    and a few fp32 numbers a token, RMSNorm its input), fitted to the saved tensors on an H200 (mini.yaml's dims and
+    a narrower variant, 1-4k tokens a sequence; tests/test_gpu.py keeps the plan within 1.0-1.1x of them). Else the
+    torch twins (CPU: mHC keeps fp32 stream copies and the Sinkhorn iterates), fitted at 128 tokens with no term
+    for seq (tests/test_plan.py: within 1.0-1.5x). Either way attention keeps only each query chunk's inputs (its
+    logits are recomputed in backward)."""
     D, H, hd, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult, cfg.num_experts_per_tok
     I, Is, E, q, W = cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.n_routed_experts, cfg.q_lora_rank, \
         cfg.sliding_window
     og, ol = cfg.o_groups, cfg.o_lora_rank
-    head = 4 * (2 * n * D + 3 * D) + esize * D + esize * cfg.vocab_size + 8 * cfg.qk_rope_head_dim
-    stream = esize * n * D
+    out = {"stream": esize * n * D, "head": 4 * (2 * n * D + 3 * D) + esize * D + esize * cfg.vocab_size,
+           "position": 8 * cfg.qk_rope_head_dim}  # cos and sin, fp32, of the main and compressed RoPE
     if not kernels:
         hc_site = 4 * (3 * n * D + (2 + n) * n * 4 + 2 * cfg.hc_sinkhorn_iters * (n * n + n)) + esize * n * D
         attn = esize * (4 * D + 2 * q + 5 * H * hd + 6 * hd + 2 * og * ol) + 4 * H * hd
         moe = 4 * (D + 3 * E) + esize * (2 * k * D + 4 * k * I + 4 * Is + 2 * D)
-        layer = 2 * hc_site + attn + moe + 4 * n * D * 2
-        return {"layers": [layer] * cfg.num_hidden_layers, "stream": stream, "head": head}
+        return {**out, "layers": [2 * hc_site + attn + moe + 4 * n * D * 2] * cfg.num_hidden_layers}
     # each mHC site: its input streams, the collapsed row (the norm's input) and the sublayer's output, and fp32
     # mix pre-activations, sum of squares, pre, post and comb
     hc = 2 * (esize * (n * D + 2 * D) + 4 * ((2 + n) * n + n * n + 2 * n + 1))
-    bq = max(W, min(128, seq))  # attention's query blocks: each keeps bq + W keys and a (bq, bq + W) mask
-    attn = esize * (D + 2 * q + 3 * H * hd + hd + hd * (bq + W) / bq + og * ol) + (bq + W) + 4 * H
-    moe = 4 * (D + 3 * E) + esize * (2 * k * D + 3 * k * I) + 12 * k + (esize * (D + 3 * Is) if cfg.n_shared_experts else 0)
+    # attention pads the sequence to whole query blocks (pad: padded / real tokens); the checkpointed chunks keep
+    # the padded q heads, each block's bq + W keys and its (bq, bq + W) mask
+    bq = query_block(W, seq)
+    pad = -(-seq // bq) * bq / seq
+    attn = esize * (D + 2 * q + 2 * H * hd + H * hd * pad + hd + hd * pad * (bq + W) / bq + og * ol) \
+        + (bq + W) * pad + 8 * H + 16
+    moe = 4 * (D + 4 * E) + 16 * k + esize * (2 * k * D + 3 * k * I) + (esize * (D + 3 * Is) if cfg.n_shared_experts
+                                                                       else 0)
     layers = []
     for i in range(cfg.num_hidden_layers):
         t, extra = cfg.layer_type(i), 0.0
-        if t in (CSA, HCA):
+        if t in (CSA, HCA):  # the (seq, seq / r) mask of the entries a query sees, the entries, the compressor's
+            # fp32 kv and gate series (two with CSA's overlap)
             r = cfg.csa_ratio if t == CSA else cfg.hca_ratio
-            width = hd * (2 if t == CSA else 1)  # the compressor's fp32 kv and gate series (two with overlap)
-            extra = seq / r + esize * hd / r + 8 * width + 4 * hd / r + 128
+            extra = pad * seq / r + esize * hd / r + 8 * hd * (2 if t == CSA else 1) + 4 * hd / r + 128
         layers.append(hc + attn + moe + extra)
-    return {"layers": layers, "stream": stream, "head": head}
+    return {**out, "layers": layers}
 
 
 def activations(cfg: ModelConfig, tokens: int, esize: int, checkpointing: bool, kernels: bool = True,
                 seq: int | None = None) -> dict:
-    """Saved activation bytes of a micro-batch of `tokens` tokens (sequences of `seq`, default all of them in one):
+    """Saved activation bytes of a micro-batch of `tokens` tokens in sequences of `seq` (default: one sequence):
     kept through the forward, and the transient recompute peak. kernels: as in activation_bytes_per_token."""
-    a = activation_bytes_per_token(cfg, esize, kernels, seq or tokens)
+    seq = seq or tokens
+    a = activation_bytes_per_token(cfg, esize, kernels, seq)
+    per_seq = seq * a["position"]
     if checkpointing:
-        return {"kept": tokens * (cfg.num_hidden_layers * a["stream"] + a["head"]),
+        return {"kept": tokens * (cfg.num_hidden_layers * a["stream"] + a["head"]) + per_seq,
                 "recompute": tokens * max(a["layers"])}
-    return {"kept": tokens * (sum(a["layers"]) + a["stream"] + a["head"]), "recompute": 0.0}
+    return {"kept": tokens * (sum(a["layers"]) + a["stream"] + a["head"]) + per_seq, "recompute": 0.0}
 
 
 def attention_chunk_bytes(cfg: ModelConfig, seq: int, chunk: int = 512) -> float:
