@@ -125,7 +125,7 @@ def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
 
 
 def kernel_shares(events) -> dict:
-    """events: (name, start, end) of GPU kernels -> {name: [launches, summed durations, critical-path share]}. In
+    """events: (name, start, end) of GPU kernels -> {name: [launches, summed durations, share of the running time]}. In
     order of their ends, a kernel's share is the part of its interval no kernel that ended before it covered, so
     PDL's early starts (a kernel launched while the one before runs, waiting for it) and a side stream's overlap
     count once: the shares add up to the time some kernel was running."""
