@@ -682,6 +682,11 @@ def check_sizes(**sizes):
         raise ValueError(f"invalid engine arguments: {', '.join(bad)} (integers >= 1)")
 
 
+def outside(ids, vocab: int) -> int | None:
+    """The first of the token ids outside [0, vocab), or None."""
+    return next((t for t in ids if not 0 <= t < vocab), None)
+
+
 def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """generate's arguments checked, a bad one named: -> (the prompts as lists of Python ints, one SamplingParams
     a prompt). Prompts: a list (or 2-D tensor / array) of token id sequences."""
@@ -694,9 +699,9 @@ def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[Sa
     for i, sp in enumerate(params):
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling parameters {i}: {sp!r} is not a SamplingParams")
-        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
-        if bad:  # (it could never be sampled: a typo, or another model's vocabulary)
-            raise ValueError(f"sampling parameters {i}: stop token id {bad[0]} outside [0, {vocab})")
+        bad = outside(sp.stop_token_ids, vocab)
+        if bad is not None:  # (it could never be sampled: a typo, or another model's vocabulary)
+            raise ValueError(f"sampling parameters {i}: stop token id {bad} outside [0, {vocab})")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)) or not isinstance(p, Iterable) or getattr(p, "ndim", 1) != 1:
@@ -710,7 +715,7 @@ def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[Sa
                 raise TypeError(f"prompt {i}, position {j}: token id {t!r} is not an integer") from None
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        if max(ids) >= vocab or min(ids) < 0:
+        if outside(ids, vocab) is not None:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         out.append(ids)
     return out, params
@@ -2279,12 +2284,10 @@ def read_prompts(path: Path, tokenizer, vocab: int,
                     raise SystemExit(f"{path}:{n}: prompt: {e}") from None
         if not isinstance(d, list) or not d or not all(map(_is_int, d)):
             raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
-        bad = [t for t in d if not 0 <= t < vocab]
-        if bad:
-            raise SystemExit(f"{path}:{n}: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
-        bad = [t for t in sp.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise SystemExit(f"{path}:{n}: stop token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+        for what, ids in (("token id", d), ("stop token id", sp.stop_token_ids)):
+            bad = outside(ids, vocab)
+            if bad is not None:
+                raise SystemExit(f"{path}:{n}: {what} {bad} outside the model's vocabulary [0, {vocab})")
         out.append((d, sp, n))
     if not out:
         raise SystemExit(f"{path}: no prompts")

@@ -680,11 +680,17 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
     return [(g, r) for g, r, _ in groups], stats, [v for _, _, v in groups]
 
 
+def fed_positions(attn: torch.Tensor) -> torch.Tensor:
+    """attention mask (S, T) -> the positions whose routing the rollout reported: each real token but a row's last
+    (never fed to the rollout; make_batch copies the row before)."""
+    return F.pad(attn[:, 1:], (0, 1))
+
+
 def routing_diff(own: torch.Tensor, rollout: torch.Tensor, attn: torch.Tensor, n_hash: int) -> tuple[float, float]:
     """(token, layer) expert sets that differ between own and rollout routing (S, T, L, k), and how many were
     compared: the top-k layers (past the n_hash hash layers) at the positions the rollout fed (each real token
     but a row's last, whose row make_batch copies); the gates' replay statistics count the same under R3."""
-    fed = F.pad(attn[:, 1:], (0, 1)).bool()
+    fed = fed_positions(attn).bool()
     a, b = own[:, :, n_hash:].sort(-1).values, rollout[:, :, n_hash:].to(own.dtype).sort(-1).values
     diff = (a != b).any(-1) & fed[:, :, None]
     return float(diff.sum()), float(fed.sum()) * a.shape[2]
@@ -771,11 +777,8 @@ class Actor:
         return [rows[i:i + mb] for i in range(0, len(rows), mb)]
 
     def forward_lp(self, model, b, rows, replay, return_routing=False):
-        # attention_mask (statistics only): the positions whose routing the rollout reported, each real token but a
-        # row's last (never fed to the rollout; make_batch copies the row before), so that routing_mismatch counts
-        # only rollout choices
-        attn = b["attn"][rows]
-        out = model(b["ids"][rows], attention_mask=F.pad(attn[:, 1:], (0, 1)), replay_experts=replay,
+        # attention_mask (statistics only): the fed positions, so that routing_mismatch counts only rollout choices
+        out = model(b["ids"][rows], attention_mask=fed_positions(b["attn"][rows]), replay_experts=replay,
                     targets_mask=b["loss_mask"][rows], temperature=self.cfg.rollout.temperature,
                     return_routing=return_routing)
         return out
