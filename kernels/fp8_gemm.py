@@ -87,7 +87,7 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
 else:
-    pdl_wait = gdc_wait = quant_rows = None
+    pdl_wait = gdc_wait = gdc_launch_dependents = quant_rows = None
 
 
 # ---------------------------------------------------------------------------------------------------------

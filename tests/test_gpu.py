@@ -7,7 +7,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 from kernels.attention import (decode_attention, decode_attention_ref, index_scores, index_scores_ref,  # noqa: E402
                                unrope_ref)
-from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets  # noqa: E402
+from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets, tickets_left  # noqa: E402
 from kernels.moe import MOE_GEMV_TOKENS, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m, moe_swap  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
@@ -50,7 +50,6 @@ def test_block_quant_bit_exact(shape, dtype):
 def test_fp8_gemm(M, N, K):
     """fp8_gemm's tiles and K ranges at each size (split over programs up to 256 rows, none past) against the
     reference; repeated launches give the same bits and leave the ticket counters at 0."""
-    from kernels.fp8_gemm import tickets_left
     f8 = fp8_dtype("cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     wq, ws = quant_fp8_block(torch.randn(N, K, device="cuda") * 0.02, f8, scale_fmt="fp32")
@@ -93,7 +92,7 @@ def test_fp8_linear_fused(M, N, K, G):
     """The one-launch kernel (activation tiles quantized in the GEMM, K ranges added by each tile's last program)
     against act_quant + fp8_gemm, at each tile shape and K range it may take; repeated launches give the same
     bits (the ranges are added in order whichever program finishes last) and leave the ticket counters at 0."""
-    from kernels.fp8_gemm import fp8_linear_fused, tickets_left
+    from kernels.fp8_gemm import fp8_linear_fused
     f8 = fp8_dtype("cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
     wq, ws = quant_fp8_block(torch.randn(N, K // G, device="cuda") * 0.02, f8, scale_fmt="fp32")
@@ -133,7 +132,7 @@ def test_gemv(M, N, K, G):
 def test_small_linear(M, N, K):
     """The one-launch kernel with a BF16 weight (the engine's BF16 input GEMMs at decode sizes) against fp32,
     and small_linear (the kernel or cuBLAS, by its rule)."""
-    from kernels.fp8_gemm import fp8_linear_fused, small_linear, tickets_left
+    from kernels.fp8_gemm import fp8_linear_fused, small_linear
     g = torch.Generator("cuda").manual_seed(M)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
@@ -178,6 +177,12 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
+    # the down programs waiting each for its row block's up tiles (the default), not for the whole up launch: the
+    # same bits, every count put back; repeated, so a count left behind would show
+    for _ in range(3):
+        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=False))
+        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared))
+    assert tickets_left(x.device) == 0
     # FP8 on wgmma (64-row blocks, or weights-first products: a 128-wide K block's products summed at reduced
     # precision) differs from 16-row x-first blocks by far less than FP8 itself differs from the BF16 weights;
     # the GEMV kernels and x-first 16-row blocks agree to 1e-3

@@ -176,6 +176,11 @@ INTERPRETED = textwrap.dedent("""
         for swap in (False, True):
             assert torch.equal(km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, swap=swap),
                                km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=t64, swap=swap)), n_sh
+            # the down programs waiting each for its row block's up tiles, or for the whole up launch: the same
+            for w_ in (args[3:], ws_):
+                assert torch.equal(km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False),
+                                   km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False,
+                                                overlap=False)), (n_sh, swap)
     km.act_quant = act_quant_ref
     # the up kernel's K split over programs (K 256 here: two ranges), FP8 and plain weights
     xs, ws2 = torch.randn(T, 256, generator=g), [torch.randn(E, I, 256, generator=g) * 0.05,
