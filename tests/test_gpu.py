@@ -177,11 +177,11 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
-    # the down programs waiting each for its row block's up tiles (the default), not for the whole up launch: the
+    # the down programs waiting each for its row block's up tiles (moe_overlap), or for the whole up launch: the
     # same bits, every count put back; repeated, so a count left behind would show
     for _ in range(3):
-        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=False))
-        assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared))
+        for overlap in (False, True):
+            assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=overlap)), overlap
     assert tickets_left(x.device) == 0
     # FP8 on wgmma (64-row blocks, or weights-first products: a 128-wide K block's products summed at reduced
     # precision) differs from 16-row x-first blocks by far less than FP8 itself differs from the BF16 weights;

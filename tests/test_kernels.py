@@ -169,16 +169,20 @@ INTERPRETED = textwrap.dedent("""
             got = km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, tiles=t64)
             want = km.fused_moe_ref(xx, ids_sh, wt, *w_, n_shared=n_sh)
             assert (got - want).abs().max() < 1e-4 * want.abs().max(), n_sh
-    # h quantized by the up kernel: the same bits as the act_quant kernel's (both in the interpreter's fp8 casts)
+    # h quantized by the up kernel: the same bits as the act_quant kernel's (both in the interpreter's fp8 casts);
+    # only the up tiles' width differs (the down kernel's too would sum its products through another numpy matmul)
     from kernels.fp8_gemm import act_quant as act_quant_kernel
     km.act_quant = act_quant_kernel
+    up, down = km._moe_tiles(T, True)
     for n_sh in (0, 1):
         for swap in (False, True):
             assert torch.equal(km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, swap=swap),
-                               km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=t64, swap=swap)), n_sh
+                               km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=((64, *up[1:]), down),
+                                            swap=swap)), n_sh
             # the down programs waiting each for its row block's up tiles, or for the whole up launch: the same
             for w_ in (args[3:], ws_):
-                assert torch.equal(km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False),
+                assert torch.equal(km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False,
+                                                overlap=True),
                                    km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False,
                                                 overlap=False)), (n_sh, swap)
     km.act_quant = act_quant_ref
