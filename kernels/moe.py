@@ -570,7 +570,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     overlap = moe_overlap(T, scaled) if overlap is None else overlap
     overlap = overlap and ks == 1 and not (scaled and not quant)  # (an act_quant launch between: no overlap)
     part = torch.empty(ks, nb * bm, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
-    cnt = tickets(x.device, max(nb * nt if ks > 1 else 0, 2 * nb if overlap else 0)) if ks > 1 or overlap else h
+    cnt = tickets(x.device, nb * nt if ks > 1 else 2 * nb) if ks > 1 or overlap else h  # (overlap: ks == 1)
     wts = weights.float().contiguous()
     _moe_up_kernel[(nt, nb) if overlap else (nb, nt, ks)](
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
