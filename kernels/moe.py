@@ -541,7 +541,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     (default moe_swap). xq: FP8 weights' input x already quantized, (q, scales) as act_quant gives them (the
     tiled kernels take them instead of an act_quant launch; the GEMV kernels quantize x themselves). overlap: the
     down kernel's programs wait each for its row block's up tiles, not for the whole up launch (default
-    moe_overlap; only where the up kernel's K is unsplit; the same bits either way)."""
+    moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
@@ -567,7 +567,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     h = torch.empty(nb * bm, I, dtype=w2.dtype if quant else x.dtype, device=x.device)
     sh = torch.empty(nb * bm, I // BLOCK, dtype=torch.float32, device=x.device) if quant else h
     nt, nd = triton.cdiv(I, bn), triton.cdiv(D, bn2)
-    overlap = moe_overlap(T, scaled) if overlap is None else overlap
+    # by default only under PDL: in stream order the down launch starts after the whole up launch anyway
+    overlap = moe_overlap(T, scaled) and pdl(x)["PDL"] if overlap is None else overlap
     overlap = overlap and ks == 1 and not (scaled and not quant)  # (an act_quant launch between: no overlap)
     part = torch.empty(ks, nb * bm, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
     cnt = tickets(x.device, nb * nt if ks > 1 else 2 * nb) if ks > 1 or overlap else h  # (overlap: ks == 1)
