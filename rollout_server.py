@@ -337,13 +337,14 @@ class EngineExperts(nn.Module):
                 self.register_buffer(name, w.to(dtype))
                 setattr(self, "s" + name[1], None)
 
-    def forward(self, x, idx, w, xq=None):
-        """xq: x already quantized per 1x128 tile, (q, scales) (FP8 experts; fused_moe's xq)."""
+    def forward(self, x, idx, w, xq=None, summed=True):
+        """xq: x already quantized per 1x128 tile, (q, scales) (FP8 experts; fused_moe's xq). summed=False: the
+        slot rows may come back unsummed (fused_moe's SlotRows; summed here under expert parallelism)."""
         if self.group is not None:  # other ranks' experts -> the skipped bucket
             idx = idx - self.expert_offset
             idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
         y = fused_moe(x, idx, w, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit, self.n_shared,
-                      xq=xq)
+                      xq=xq, summed=summed or self.group is not None)
         if self.group is not None:
             dist.all_reduce(y, group=self.group)
         return y
@@ -534,7 +535,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
 
     def post_mix(y, x, post, comb, fn):
         if side is not None:
-            torch.cuda.current_stream(y.device).wait_stream(side)
+            torch.cuda.current_stream(x.device).wait_stream(side)
         return hc_post_mix(y, x, post, comb, fn)
     if side is not None:  # the side stream joins the step first: a join before any work went there (the first mHC
         # pre runs on one stream) must not wait on work outside a graph being captured
@@ -544,7 +545,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None], xq=hq)
+        y, idx = blk.ffn(h, ids[None], xq=hq, summed=False)  # (post_mix sums the slot rows)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])

@@ -194,7 +194,7 @@ def experts(c: ModelConfig, batches, sweep: bool):
                 for slab, nw in itertools.product((8192, 16384, 32768, 65536), (4, 8)) if sweep else ():
                     row[f"gemv slab {slab} warps {nw}"] = graph_us(
                         [lambda a=a: _moe_gemv(x, ids, wt, *(a + (None,) * 3)[:6], 10.0, c.n_shared_experts,
-                                               slab=slab, warps=nw) for a in layers])
+                                               slab=slab, warps=nw).summed() for a in layers])
             print(f"moe {'fp8' if fp8 else 'bf16'} M {M:4d} ({hit} experts, {nbytes / 1e6:.0f} MB), us a call"
                   f" (weight GB/s), (up tiles), (down tiles) as (BLOCK_N, warps, stages):", flush=True)
             for t, v in sorted(row.items(), key=lambda r: r[1]):

@@ -21,6 +21,7 @@ import torch
 
 from . import fp8_gemm
 from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, triton, use_triton
+from .moe import SlotRows
 from .quant import BLOCK as TILE, fp8_max
 
 if triton is not None:
@@ -166,14 +167,34 @@ if triton is not None:
             tl.store(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + rj[None, :], cm, mask=valid)
 
     @triton.jit
-    def _post_tile(OUT, X, POST, COMB, t, rd, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr):
-        """Token t's new streams at columns rd, fp32 (NP, len(rd)): y_i = post_i * out + sum_j comb[j, i] * x_j."""
+    def _load_out(OUT, SY, IDS, E, t, rd, md, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr):
+        """The sublayer's output for token t at columns rd (md: those < D), fp32: OUT's, or with KT > 0 the sum of
+        the token's KT slot rows of SY (an MoE's SlotRows: routed slot j < KR skipped where IDS[t, j] >= E) in
+        slot order in fp32, rounded to OUT's dtype: the arithmetic of moe._moe_sum_kernel, whose launch this
+        saves, so the same bits as summing first."""
+        if KT == 0:
+            out = tl.load(OUT + t * D + rd, mask=md, other=0.0).to(tl.float32)
+        else:
+            acc = (rd * 0).to(tl.float32)
+            for j in tl.static_range(KT):
+                here = md
+                if j < KR:
+                    here = md & (tl.load(IDS + t * KR + j) < E)
+                acc += tl.load(SY + (t * KT + j) * D + rd, mask=here, other=0.0)
+            out = acc.to(OUT.dtype.element_ty).to(tl.float32)
+        return out
+
+    @triton.jit
+    def _post_tile(OUT, X, POST, COMB, t, rd, N_HC: tl.constexpr, D: tl.constexpr, NP: tl.constexpr,
+                   SY=None, IDS=None, E=0, KR: tl.constexpr = 0, KT: tl.constexpr = 0):
+        """Token t's new streams at columns rd, fp32 (NP, len(rd)): y_i = post_i * out + sum_j comb[j, i] * x_j
+        (out: _load_out's)."""
         ri = tl.arange(0, NP)
         mi = ri < N_HC
         md = rd < D
         x = tl.load(X + t * N_HC * D + ri[:, None] * D + rd[None, :], mask=mi[:, None] & md[None, :], other=0.0)
         x = x.to(tl.float32)
-        out = tl.load(OUT + t * D + rd, mask=md, other=0.0).to(tl.float32)
+        out = _load_out(OUT, SY, IDS, E, t, rd, md, D, KR, KT)
         post = tl.load(POST + t * N_HC + ri, mask=mi, other=0.0)
         comb = tl.load(COMB + t * N_HC * N_HC + ri[:, None] * N_HC + ri[None, :], mask=mi[:, None] & mi[None, :],
                        other=0.0)  # comb[j, i]
@@ -191,21 +212,21 @@ if triton is not None:
                  mask=(ri < N_HC)[:, None] & (rd < D)[None, :])
 
     @triton.jit
-    def _hc_post_mix_kernel(OUT, X, POST, COMB, Y, FN, PART, N_HC: tl.constexpr, D: tl.constexpr,
+    def _hc_post_mix_kernel(OUT, X, POST, COMB, Y, FN, PART, SY, IDS, E, N_HC: tl.constexpr, D: tl.constexpr,
                             NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            KR: tl.constexpr, KT: tl.constexpr, PDL: tl.constexpr = False):
         """Program (s, token t): hc_post (_hc_post_kernel's arithmetic) for stream i's columns [d0, d0 + CHUNK),
         s = i * D / CHUNK + d0 / CHUNK being that chunk of the flattened (n * D) row, then the chunk's mix
         partials over the stored (rounded) result: _hc_mix_kernel's PART[t, s] (the next hc_pre sums them), fp32
-        products and sums."""
+        products and sums. KT > 0: out is the sum of slot rows (_load_out)."""
         pdl_wait(PDL)
-        s, t = tl.program_id(0), tl.program_id(1)
+        s, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
         SPLIT: tl.constexpr = N_HC * D // CHUNK
         i = s // (D // CHUNK)
         rd = (s % (D // CHUNK)) * CHUNK + tl.arange(0, CHUNK)
         ri = tl.arange(0, NP)
         rm = tl.arange(0, MIXP)
-        y = _post_tile(OUT, X, POST, COMB, t, rd, N_HC, D, NP)
+        y = _post_tile(OUT, X, POST, COMB, t, rd, N_HC, D, NP, SY, IDS, E, KR, KT)
         y = tl.sum(tl.where(ri[:, None] == i, y, 0.0), 0).to(Y.dtype.element_ty)  # stream i's row
         tl.store(Y + t * N_HC * D + i * D + rd, y)
         y = y.to(tl.float32)
@@ -467,23 +488,33 @@ def hc_post(out, x, post, comb, fn=None):
     """out (..., D), x (..., n, D), post (..., n), comb (..., n, n) -> (..., n, D) in x.dtype.
     fn: the next mHC's mix weights (m, n * D) -> (new streams, their mix partials for that hc_pre / hc_head's
     part, from the same kernel; None where D is not a multiple of MIX_CHUNK). Past POST_MIX_TOKENS tokens the
-    partials are the mix kernel's own (_mix_partials over the new streams gives the same bits)."""
+    partials are the mix kernel's own (_mix_partials over the new streams gives the same bits).
+    out may be an MoE's unsummed slot rows (kernels.moe.SlotRows, out.summed() of shape (N, D)): with fn, up to
+    POST_MIX_TOKENS tokens and in x's dtype the kernel sums them (the same bits, one launch fewer), else they are
+    summed first (in the 16-token blocks' kernel the sums changed the compiler's layout of the new streams, and with
+    it the order of the partials' sums of squares: not the mix kernel's bits)."""
     *lead, n, D = x.shape
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
+    slots = out if isinstance(out, SlotRows) else None
+    if slots is not None and (fn is None or D % MIX_CHUNK or N > POST_MIX_TOKENS or slots.dtype != x.dtype):
+        out, slots = slots.summed(), None
     if fn is not None:
         if D % MIX_CHUNK:
             return hc_post(out, x, post, comb), None
         chunk, mixp = MIX_CHUNK, _mix_width(fn.shape[0], True)
         part = torch.empty(N, n * D // chunk, mixp, dtype=torch.float32, device=x.device)
-        args = (out.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous(), y, fn.contiguous(), part)
+        x = x.contiguous()
+        args = (x if slots is not None else out.contiguous(), x, post.contiguous(), comb.contiguous(), y,
+                fn.contiguous(), part)
         if 0 < N <= POST_MIX_TOKENS:
-            _hc_post_mix_kernel[(n * D // chunk, N)](*args, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp,
-                                                    CHUNK=chunk, num_warps=2, **pdl(out))
+            sy, ids, E, kr, kt = (x, x, 0, 0, 0) if slots is None else slots[:5]
+            _hc_post_mix_kernel[(n * D // chunk, N)](*args, sy, ids, E, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0],
+                                                    MIXP=mixp, CHUNK=chunk, KR=kr, KT=kt, num_warps=2, **pdl(x))
         elif N:  # _mix_partials' tiles and warps, so the partials are its own
             _hc_post_mix_rows_kernel[(n * D // chunk, triton.cdiv(N, MIX_ROWS))](
                 *args, N, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk, BT=MIX_ROWS,
-                BK=_mix_step(mixp), PREC=fp8_gemm.F32_DOT, num_warps=_mix_warps(N), **pdl(out))
+                BK=_mix_step(mixp), PREC=fp8_gemm.F32_DOT, num_warps=_mix_warps(N), **pdl(x))
         return y, part
     if N:
         big = N >= 1024  # training-sized: wider tiles, fewer warps (measured on an H200); decode keeps more programs

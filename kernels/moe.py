@@ -9,6 +9,8 @@ its block's expert only, so experts nobody routed to are never read. Weights are
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -438,9 +440,10 @@ MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
 
 
 def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, slab: int | None = None,
-              warps: int | None = None):
+              warps: int | None = None) -> SlotRows:
     """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, one program
-    per (slot, slab of weight rows), then the slots' sum. fused_moe's numerics with the sums in another order.
+    per (slot, slab of weight rows), -> the slot rows (SlotRows). fused_moe's numerics with the products' sums in
+    another order.
     slab, warps: a program's most weight bytes and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS)."""
     T, D = x.shape
     E, I, _ = w1.shape
@@ -458,7 +461,7 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
             X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
             SCALED=scaled, BLOCK_K=BLOCK, num_warps=warps or MOE_GEMV_WARPS, **pdl(x))
-    return _slot_sum(y, ids, E, k, kt, x.dtype)
+    return SlotRows(y, ids, E, k, kt, x.dtype)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
@@ -533,7 +536,7 @@ def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
               tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None, xq=None,
-              overlap: bool | None = None):
+              overlap: bool | None = None, summed: bool = True):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
     rows of a row block (default moe_block_m). gemv: the GEMV kernels instead (_moe_gemv; default up to
@@ -541,14 +544,17 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     (default moe_swap). xq: FP8 weights' input x already quantized, (q, scales) as act_quant gives them (the
     tiled kernels take them instead of an act_quant launch; the GEMV kernels quantize x themselves). overlap: the
     down kernel's programs wait each for its row block's up tiles, not for the whole up launch (default
-    moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way)."""
+    moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way). summed=False: on
+    the kernels' path the slot rows unsummed (SlotRows, whose summed() gives the same bits), for a consumer that
+    sums them itself; fused_moe_ref's result is summed either way."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
     if not moe_kernels_take(x, D, I):
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
-        return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
+        rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
+        return rows.summed() if summed else rows
     k = ids.shape[1]
     kt = k + n_shared
     bm = block_m or moe_block_m(T, scaled)
@@ -587,7 +593,24 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         hq, sh, w2, s2 if scaled else w2, y, wts, slots, bexp, T * kt,
         K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, SWAP=swap, num_warps=nw2,
         num_stages=ns2, READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, **pdl(x))
-    return _slot_sum(y, ids.contiguous(), E, k, kt, x.dtype)
+    rows = SlotRows(y, ids.contiguous(), E, k, kt, x.dtype)
+    return rows.summed() if summed else rows
+
+
+class SlotRows(NamedTuple):
+    """fused_moe's output before each token's slots are summed (summed=False), for a consumer that sums them
+    itself (kernels.fused.hc_post): y (T * kt, D) fp32, token t's j-th slot at row t * kt + j; ids (T, k) the
+    routed experts (an id of E or more: another rank's, its row never written); dtype: the sum's (x's)."""
+    y: torch.Tensor
+    ids: torch.Tensor
+    E: int
+    k: int
+    kt: int
+    dtype: torch.dtype
+
+    def summed(self) -> torch.Tensor:
+        """(T, D) in dtype: _moe_sum_kernel's sums, each token's slots in slot order in fp32."""
+        return _slot_sum(*self)
 
 
 def _slot_sum(y, ids, E: int, k: int, kt: int, dtype):

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import fused, mhc
 from kernels.attention import block_softmax, topk_first
 from kernels.logprob import head_logprob
-from kernels.moe import combine_rows
+from kernels.moe import SlotRows, combine_rows
 from kernels.fp8_gemm import use_triton
 from kernels.fused import fused_ok
 
@@ -734,17 +734,23 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         self.shared_in_experts = False  # the rollout engine's grouped kernel runs the shared expert too
 
-    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None):
+    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None, summed=True):
         """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k). xq: x's rows
-        quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts)."""
+        quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts).
+        summed=False (the rollout engine's, for hc_post_mix): y may be the experts' slot rows unsummed
+        (kernels.moe.SlotRows, flat over B * T), where the experts give them and nothing is added to them."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
                            None if token_mask is None else token_mask.reshape(-1))
-        y = self.experts(flat, idx, w) if xq is None else self.experts(flat, idx, w, xq=xq)
-        if self.shared_experts is not None and not self.shared_in_experts:
+        shared = self.shared_experts is not None and not self.shared_in_experts
+        kw = {} if xq is None else {"xq": xq}
+        if not (summed or shared or type(self.experts) is Experts):  # (the engine's experts: summed=False)
+            kw["summed"] = False
+        y = self.experts(flat, idx, w, **kw)
+        if shared:
             y = y + self.shared_experts(flat)
-        return y.view(shape), idx.view(*shape[:-1], -1)
+        return y if isinstance(y, SlotRows) else y.view(shape), idx.view(*shape[:-1], -1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -799,9 +805,12 @@ def hc_post(out, x, post, comb):
 
 def hc_post_mix(out, x, post, comb, fn):
     """hc_post, and for inference on a GPU the partials of the next mHC's mix (weights fn) over the new streams,
-    from the same kernel: -> (streams, part for that hc_pre / hc_head; None elsewhere)."""
+    from the same kernel: -> (streams, part for that hc_pre / hc_head; None elsewhere). out may be an MoE's slot
+    rows unsummed (SlotRows: MoE.forward's summed=False), which that kernel sums."""
     if fused_ok(x):
         return fused.hc_post(out, x, post, comb, fn)
+    if isinstance(out, SlotRows):
+        out = out.summed().view(*x.shape[:-2], -1)
     return hc_post(out, x, post, comb), None
 
 

@@ -183,6 +183,16 @@ def test_fused_moe(T, fp8, n_shared, absent):
         for overlap in (False, True):
             assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=overlap)), overlap
     assert tickets_left(x.device) == 0
+    # the slot rows unsummed (the engine's run_layers), summed by the next mHC post with its mix partials (4
+    # streams; in its kernel up to POST_MIX_TOKENS, before it past them): the bits of summing first
+    from kernels import fused
+    rows = fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False)
+    assert torch.equal(rows.summed(), got)
+    xs = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    post, comb = torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g)
+    fn = torch.randn(24, 4 * D, device="cuda", generator=g) * 0.02
+    for a, b in zip(fused.hc_post(rows, xs, post, comb, fn), fused.hc_post(got, xs, post, comb, fn)):
+        assert torch.equal(a, b)
     # FP8 on wgmma (64-row blocks, or weights-first products: a 128-wide K block's products summed at reduced
     # precision) differs from 16-row x-first blocks by far less than FP8 itself differs from the BF16 weights;
     # the GEMV kernels and x-first 16-row blocks agree to 1e-3

@@ -210,7 +210,7 @@ INTERPRETED = textwrap.dedent("""
                 ws_ = (*w_, None, None, None)[:6]
                 for slab in (1024, 65536):
                     assert torch.equal(got, km._moe_gemv(xs[:T_], ids_sh[:T_], wt[:T_], *ws_, 10.0, n_sh,
-                                                         slab=slab, warps=4)), (n_sh, T_, slab)
+                                                         slab=slab, warps=4).summed()), (n_sh, T_, slab)
     km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
@@ -292,6 +292,18 @@ INTERPRETED = textwrap.dedent("""
         y2, hpart = fused.hc_post(out, xs, post, comb, fn[:n])
         assert torch.equal(y2, y)
         assert (fused.hc_head(y, fn[:n], base[:n], sc[:1], 1e-6, 1e-6, None, hpart) - fused.hc_head(y, fn[:n], base[:n], sc[:1], 1e-6, 1e-6)).abs().max() < 1e-5
+        # an MoE's slot rows unsummed (the engine's run_layers): summed in the kernel up to POST_MIX_TOKENS (before
+        # them past it), the bits of summing first; routed slots of another rank's expert (id E) never written (NaN
+        # here) and skipped; fp32 and bf16 sums
+        E, k, kt = 5, 3, 4
+        ids = torch.randint(0, E + 1, (N, k), generator=g)
+        sy = torch.randn(N, kt, D, generator=g)
+        sy[:, :k][ids == E] = float("nan")
+        for dt in (torch.float32, torch.bfloat16):
+            sr = km.SlotRows(sy.view(N * kt, D), ids, E, k, kt, dt)
+            for f in (fn, fn[:n]):
+                a, b = fused.hc_post(sr, xs.to(dt), post, comb, f), fused.hc_post(sr.summed(), xs.to(dt), post, comb, f)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not a[0].isnan().any(), (N, dt)
     y, part = fused.hc_post(out[:0], xs[:0], post[:0], comb[:0], fn)
     assert y.shape == (0, n, D) and part.shape[:2] == (0, n * D // 64)
     xs, out, fn = torch.randn(2, 4, 96, generator=g), torch.randn(2, 96, generator=g), torch.randn(24, 384, generator=g)
