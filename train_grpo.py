@@ -549,9 +549,20 @@ def make_task(cfg: RunConfig):
 
 
 def encode_prompt(cfg: RunConfig, tok, prompt: str) -> list[int]:
-    """Token ids of a prompt with its chat template; with task.long_prompts=truncate, the tail that fits."""
+    """Token ids of a prompt with its chat template. One longer than rollout.max_model_len - rollout.max_tokens
+    (task.long_prompts=truncate) loses the start of its text: the template's head (BOS, the user tag: the ids it
+    shares with the template around an empty prompt) stays, and then as many of the last ids as fit, the
+    template's tail (the assistant tag) among them."""
     ids = tok.apply_chat(prompt)
-    return ids[-(cfg.rollout.max_model_len - cfg.rollout.max_tokens):]
+    budget = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    if len(ids) <= budget:
+        return ids
+    bare = tok.apply_chat("")
+    n = min(len(bare), len(ids))
+    head = next((i for i in range(n) if ids[i] != bare[i]), n)
+    tail = next((i for i in range(n - head) if ids[-1 - i] != bare[-1 - i]), n - head)
+    head = min(head, max(0, budget - tail - 1))  # at least one id of the prompt's text
+    return ids[:head] + ids[len(ids) - (budget - head):]
 
 
 # ---------------------------------------------------------------------------------------------------------

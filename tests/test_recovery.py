@@ -321,7 +321,18 @@ def test_dataset_lines_long_prompts_and_strict_mode(tmp_path, bpe):
     task, tk = make_task(cfg)
     assert task.load_stats["long_prompts_truncate"] + task.load_stats["eval_long_prompts_truncate"] == 1
     ids = encode_prompt(cfg, tk, long_prompt)
-    assert len(ids) == 20 and ids == tk.apply_chat(long_prompt)[-20:]
+    assert len(ids) == 20 and ids == tk.apply_chat(long_prompt)[-20:]  # no template: the text's last ids
+    # with a chat template and BOS: the template's head, then the text's last ids and the template's tail
+    chat = ["task.chat_template=<user>{prompt}<bot>", "task.bos_token=<s>"]
+    cfg = RunConfig.load("configs/tiny.yaml", [*base, "task.long_prompts=truncate", *chat])
+    task, tk = make_task(cfg)
+    full, (s, u, b) = tk.apply_chat(long_prompt), (tok.token_to_id(t) for t in ("<s>", "<user>", "<bot>"))
+    ids = encode_prompt(cfg, tk, long_prompt)
+    assert full[:2] == [s, u] and full[-1] == b and len(full) > 20
+    assert ids == [s, u] + full[-18:], (ids, full)
+    assert encode_prompt(cfg, tk, "what is 1 plus 2 ?") == tk.apply_chat("what is 1 plus 2 ?")  # fits: as it is
+    cfg = RunConfig.load("configs/tiny.yaml", [*base, "task.long_prompts=truncate", *chat, "rollout.max_model_len=8"])
+    assert encode_prompt(cfg, tk, long_prompt) == [s, u, full[-2], b]  # a budget of 4: one id of text
     with pytest.raises(SystemExit, match=r"train.jsonl: a prompt of \d+ tokens leaves no room for rollout.max_tokens"):
         load("task.long_prompts=error")
     with pytest.raises(SystemExit, match=r"task: .*train.jsonl:26: malformed line"):
