@@ -55,6 +55,7 @@ from kernels.attention import decode_attention, index_scores, index_topk, topk_f
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
                               use_triton)
+from kernels.fused import POST_MIX_TOKENS
 from kernels.moe import fused_moe, moe_kernels_take
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
@@ -337,6 +338,8 @@ class EngineExperts(nn.Module):
                 self.register_buffer(name, w.to(dtype))
                 setattr(self, "s" + name[1], None)
 
+    gives_slot_rows = True  # forward(summed=False) may give fused_moe's SlotRows (MoE.forward asks for them)
+
     def forward(self, x, idx, w, xq=None, summed=True):
         """xq: x already quantized per 1x128 tile, (q, scales) (FP8 experts; fused_moe's xq). summed=False: the
         slot rows may come back unsummed (fused_moe's SlotRows; summed here under expert parallelism)."""
@@ -541,11 +544,14 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         # pre runs on one stream) must not wait on work outside a graph being captured
         side.wait_stream(torch.cuda.current_stream(ids.device))
     routing, part = [], None
+    # the mHC post kernel after each MoE sums its slot rows itself up to POST_MIX_TOKENS (no slot-sum launch); past
+    # that the experts sum them, which frees their fp32 rows at once
+    slot_sum = ids.numel() > POST_MIX_TOKENS
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None], xq=hq, summed=False)  # (post_mix sums the slot rows)
+        y, idx = blk.ffn(h, ids[None], xq=hq, summed=slot_sum)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])

@@ -561,7 +561,7 @@ def encode_prompt(cfg: RunConfig, tok, prompt: str) -> list[int]:
     n = min(len(bare), len(ids))
     head = next((i for i in range(n) if ids[i] != bare[i]), n)
     tail = next((i for i in range(n - head) if ids[-1 - i] != bare[-1 - i]), n - head)
-    head = min(head, max(0, budget - tail - 1))  # at least one id of the prompt's text
+    head = min(head, max(0, budget - tail - 1))  # one id of the text at least, where the budget passes the tail
     return ids[:head] + ids[len(ids) - (budget - head):]
 
 

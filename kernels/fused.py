@@ -21,7 +21,7 @@ import torch
 
 from . import fp8_gemm
 from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, triton, use_triton
-from .moe import SlotRows
+from .moe import SlotRows, slot_total
 from .quant import BLOCK as TILE, fp8_max
 
 if triton is not None:
@@ -169,19 +169,12 @@ if triton is not None:
     @triton.jit
     def _load_out(OUT, SY, IDS, E, t, rd, md, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr):
         """The sublayer's output for token t at columns rd (md: those < D), fp32: OUT's, or with KT > 0 the sum of
-        the token's KT slot rows of SY (an MoE's SlotRows: routed slot j < KR skipped where IDS[t, j] >= E) in
-        slot order in fp32, rounded to OUT's dtype: the arithmetic of moe._moe_sum_kernel, whose launch this
-        saves, so the same bits as summing first."""
+        the token's KT slot rows of SY (an MoE's SlotRows) rounded to OUT's dtype, as moe._moe_sum_kernel stores
+        it (the same slot_total), whose launch this saves: the same bits as summing first."""
         if KT == 0:
             out = tl.load(OUT + t * D + rd, mask=md, other=0.0).to(tl.float32)
         else:
-            acc = (rd * 0).to(tl.float32)
-            for j in tl.static_range(KT):
-                here = md
-                if j < KR:
-                    here = md & (tl.load(IDS + t * KR + j) < E)
-                acc += tl.load(SY + (t * KT + j) * D + rd, mask=here, other=0.0)
-            out = acc.to(OUT.dtype.element_ty).to(tl.float32)
+            out = slot_total(SY, IDS, E, t, rd, md, D, KR, KT).to(OUT.dtype.element_ty).to(tl.float32)
         return out
 
     @triton.jit
@@ -505,10 +498,12 @@ def hc_post(out, x, post, comb, fn=None):
         chunk, mixp = MIX_CHUNK, _mix_width(fn.shape[0], True)
         part = torch.empty(N, n * D // chunk, mixp, dtype=torch.float32, device=x.device)
         x = x.contiguous()
+        # with slot rows x stands in for out: the kernel reads only its dtype, the one the sums are rounded to
         args = (x if slots is not None else out.contiguous(), x, post.contiguous(), comb.contiguous(), y,
                 fn.contiguous(), part)
         if 0 < N <= POST_MIX_TOKENS:
-            sy, ids, E, kr, kt = (x, x, 0, 0, 0) if slots is None else slots[:5]
+            sy, ids, E, kr, kt = ((x, x, 0, 0, 0) if slots is None
+                                  else (slots.y, slots.ids, slots.E, slots.k, slots.kt))
             _hc_post_mix_kernel[(n * D // chunk, N)](*args, sy, ids, E, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0],
                                                     MIXP=mixp, CHUNK=chunk, KR=kr, KT=kt, num_warps=2, **pdl(x))
         elif N:  # _mix_partials' tiles and warps, so the partials are its own

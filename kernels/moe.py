@@ -365,21 +365,27 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        """Token t, BD columns: OUT[t] = the sum of its KT slot rows of Y in slot order (fp32), skipping routed
-        slots whose expert is not here (id E: never written)."""
-        pdl_wait(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        rd = tl.program_id(1) * BD + tl.arange(0, BD)
-        md = rd < D
-        acc = tl.zeros((BD,), tl.float32)
+    def slot_total(Y, IDS, E, t, rd, md, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr):
+        """Token t's KT slot rows of Y (fp32) at columns rd (md: those < D), summed in slot order in fp32,
+        skipping routed slots (j < KR) whose expert is not here (IDS[t, j] >= E: never written). The slot sum of
+        every kernel that does it (_moe_sum_kernel, fused.hc_post's), so they give the same bits."""
+        acc = tl.zeros(rd.shape, tl.float32)
         for j in tl.static_range(KT):
             here = True
             if j < KR:
                 here = tl.load(IDS + t * KR + j) < E
             acc += tl.load(Y + (t * KT + j) * D + rd, mask=md & here, other=0.0)
-        tl.store(OUT + t * D + rd, acc.to(OUT.dtype.element_ty), mask=md)
+        return acc
+
+    @triton.jit
+    def _moe_sum_kernel(Y, IDS, OUT, E, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, BD: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """Token t, BD columns: OUT[t] = slot_total, rounded to OUT's dtype."""
+        pdl_wait(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        md = rd < D
+        tl.store(OUT + t * D + rd, slot_total(Y, IDS, E, t, rd, md, D, KR, KT).to(OUT.dtype.element_ty), mask=md)
 
 
 if triton is not None:
@@ -610,7 +616,7 @@ class SlotRows(NamedTuple):
 
     def summed(self) -> torch.Tensor:
         """(T, D) in dtype: _moe_sum_kernel's sums, each token's slots in slot order in fp32."""
-        return _slot_sum(*self)
+        return _slot_sum(self.y, self.ids, self.E, self.k, self.kt, self.dtype)
 
 
 def _slot_sum(y, ids, E: int, k: int, kt: int, dtype):

@@ -745,7 +745,7 @@ class MoE(nn.Module):
                            None if token_mask is None else token_mask.reshape(-1))
         shared = self.shared_experts is not None and not self.shared_in_experts
         kw = {} if xq is None else {"xq": xq}
-        if not (summed or shared or type(self.experts) is Experts):  # (the engine's experts: summed=False)
+        if not (summed or shared) and getattr(self.experts, "gives_slot_rows", False):  # (the rollout engine's)
             kw["summed"] = False
         y = self.experts(flat, idx, w, **kw)
         if shared:
