@@ -219,6 +219,25 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
             main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
+def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
+    """--bench: a warm-up of the same batch and lengths with other tokens (kernels compiled, the batch's graph
+    captured, no prefix shared) before the timed run, whose throughput it prints."""
+    import rollout_server
+    calls = []
+    real = rollout_server.Engine.generate
+
+    def spy(self, prompts, params, *a, **kw):
+        calls.append((prompts, params))
+        return real(self, prompts, params, *a, **kw)
+    monkeypatch.setattr(rollout_server.Engine, "generate", spy)
+    rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--batch", "3", "--prompt-len", "9",
+                         "--max-tokens", "4", "--max-model-len", "64", "--max-seqs", "4"])
+    (warm, wp), (timed, tp) = calls
+    assert len(warm) == len(timed) == 3 and {len(p) for p in warm + timed} == {9}
+    assert all(a != b for a in warm for b in timed) and wp.max_tokens == 2 and tp.max_tokens == 4
+    assert "3 x (9 prompt + 4 generated) on cpu:" in capsys.readouterr().out
+
+
 def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch):
     """Every check that needs no weights runs before they load (a large checkpoint takes minutes): each bad
     argument or prompt line stops the run naming the flag, file or line, and no model is built."""
