@@ -546,12 +546,12 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     routing, part = [], None
     # the mHC post kernel after each MoE sums its slot rows itself up to POST_MIX_TOKENS (no slot-sum launch); past
     # that the experts sum them, which frees their fp32 rows at once
-    slot_sum = ids.numel() > POST_MIX_TOKENS
+    summed = ids.numel() > POST_MIX_TOKENS
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None], xq=hq, summed=slot_sum)
+        y, idx = blk.ffn(h, ids[None], xq=hq, summed=summed)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])
