@@ -21,12 +21,14 @@ import torch
 
 from . import fp8_gemm
 from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, triton, use_triton
-from .moe import SlotRows, slot_total
+from .moe import SlotRows
 from .quant import BLOCK as TILE, fp8_max
 
 if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from .moe import slot_total
 
 
 def needs_grad(*ts) -> bool:
