@@ -615,18 +615,14 @@ class SlotRows(NamedTuple):
     dtype: torch.dtype
 
     def summed(self) -> torch.Tensor:
-        """(T, D) in dtype: _moe_sum_kernel's sums, each token's slots in slot order in fp32."""
-        return _slot_sum(self.y, self.ids, self.E, self.k, self.kt, self.dtype)
-
-
-def _slot_sum(y, ids, E: int, k: int, kt: int, dtype):
-    """y (T * kt, D) fp32 slot rows -> (T, D) in dtype: each token's kt slots summed (_moe_sum_kernel)."""
-    T, D = y.shape[0] // kt, y.shape[1]
-    out = torch.empty(T, D, dtype=dtype, device=y.device)
-    if T:
-        bd = min(1024, pow2(D))
-        _moe_sum_kernel[(T, triton.cdiv(D, bd))](y, ids, out, E, D=D, KR=k, KT=kt, BD=bd, num_warps=4, **pdl(y))
-    return out
+        """(T, D) in dtype: each token's kt slots summed in slot order in fp32 (_moe_sum_kernel)."""
+        T, D = self.y.shape[0] // self.kt, self.y.shape[1]
+        out = torch.empty(T, D, dtype=self.dtype, device=self.y.device)
+        if T:
+            bd = min(1024, pow2(D))
+            _moe_sum_kernel[(T, triton.cdiv(D, bd))](self.y, self.ids, out, self.E, D=D, KR=self.k, KT=self.kt,
+                                                     BD=bd, num_warps=4, **pdl(self.y))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
