@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fp8_linear import graph_us  # noqa: E402
 from kernels.fp8_gemm import pdl, pdl_wait  # noqa: E402
 
 BLOCK = 128  # fp32 values a program moves
@@ -35,7 +36,7 @@ def _link(X, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
 
 def chain_us(grid: int, kernels: int, use_pdl: bool, iters: int = 20) -> float:
     """Microseconds a kernel of a CUDA graph holding `kernels` dependent _link launches of `grid` programs each
-    (replayed iters times); checks that every launch ran, in order."""
+    (graph_us: captured, replayed iters times); first checks, eagerly, that every launch ran, in order."""
     n = grid * BLOCK
     bufs = [torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")]
     meta = pdl(bufs[0]) if use_pdl else {"PDL": False}
@@ -43,28 +44,11 @@ def chain_us(grid: int, kernels: int, use_pdl: bool, iters: int = 20) -> float:
     def run():
         for i in range(kernels):
             _link[(grid,)](bufs[i % 2], bufs[(i + 1) % 2], n, BLOCK=BLOCK, **meta)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    for b in bufs:
-        b.zero_()
-    g.replay()
-    torch.cuda.synchronize()
+    run()
     got = bufs[kernels % 2]
     if not bool((got == kernels).all()):  # each link adds 1 to what the one before wrote
         raise RuntimeError(f"grid {grid}: the chain of {kernels} kernels gave {got.min().item()}..{got.max().item()}")
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / (iters * kernels)
+    return graph_us([run], iters) / kernels
 
 
 def main(argv=None):
