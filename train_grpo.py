@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from model import ModelConfig, build_model, save_pretrained
@@ -73,7 +73,7 @@ from model.config import ConfigError, build_section, closest, load_yaml, resolve
 from model.model import Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, reshard, sharded_actor)
-from model.weights import load_state, release_tensors
+from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
@@ -623,8 +623,8 @@ def save_round(path: Path, started, cfg: RunConfig):
             "items": [dataclasses.asdict(it) for it in items],
             "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.token_ids for o in outs],
             "finish": [o.finish_reason for o in outs]}
-    save_file({"logprobs": torch.tensor([x for o in outs for x in o.logprobs], dtype=torch.float64),
-               "routing": torch.cat([o.routed_experts for o in outs]).contiguous()}, str(path / "pending.safetensors"))
+    save_tensors({"logprobs": torch.tensor([x for o in outs for x in o.logprobs], dtype=torch.float64),
+                  "routing": torch.cat([o.routed_experts for o in outs]).contiguous()}, path / "pending.safetensors")
     (path / "pending.json").write_text(json.dumps(meta))
 
 
@@ -996,7 +996,7 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pe
     tensors = {f"rng.{k}": v for k, v in _rng_state().items()}
     tensors.update({f"model.{k}": local(v).cpu().contiguous() for k, v in actor.model.stored_state().items()})
     tensors.update({f"optim.{k}": v.contiguous() for k, v in actor.opt.state_tensors().items()})
-    save_file(tensors, str(tmp / f"actor-rank{d.rank:05d}.safetensors"))
+    save_tensors(tensors, tmp / f"actor-rank{d.rank:05d}.safetensors")
     fault_point("ckpt")  # the recovery tests: a rank dies with the shards half written
     dist.barrier(group=d.actor_group)
     if d.rank == 0:

@@ -406,6 +406,16 @@ def export_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     return release_tensors(model.state_dict().items(), model.cfg)
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None):
+    """safetensors' save_file, the file then given the mode open() gives new files (0666 less the umask): safetensors
+    0.8 creates its files 0600 whatever the umask, so a checkpoint's weights were unreadable to other users
+    (a serving process under another account) while its config.json beside them was readable."""
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = False, dtype=torch.bfloat16,
                     max_shard_bytes: int = 5 * 2 ** 30, cfg: ModelConfig | None = None,
                     tensors: Iterable[tuple[str, torch.Tensor]] | None = None, progress: bool = False) -> Path:
@@ -430,7 +440,7 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
         nonlocal size
         if shards[-1]:
             tmp = path / f".tmp-shard-{len(written)}.safetensors"
-            save_file(shards[-1], str(tmp), metadata={"format": "pt"})
+            save_tensors(shards[-1], tmp, metadata={"format": "pt"})
             written.append((tmp.name, {k: None for k in shards[-1]}))
             shards[-1] = {}
             size = 0

@@ -1,5 +1,6 @@
 """Release-layout I/O: round trips, FP8/MXFP4 checkpoints, sharding, prefixes, and errors that name the tensor."""
 import json
+import os
 
 import pytest
 import torch
@@ -263,3 +264,17 @@ def test_malformed_index_is_named(tiny, tmp_path):
         index.write_text(body)
         with pytest.raises(WeightError, match="model.safetensors.index.json: (not a safetensors index|weight_map must)"):
             load_pretrained(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_saved_files_take_the_umask(tiny, tmp_path, umask):
+    """Every file save_pretrained writes has the mode open() gives new files: safetensors 0.8 alone creates its
+    files 0600, which left an exported model's weights unreadable to other users while config.json was not."""
+    old = os.umask(umask)
+    try:
+        save_pretrained(tiny, tmp_path, max_shard_bytes=1 << 20)
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1 and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
