@@ -61,3 +61,11 @@ def test_dsv4_fits_two_plus_one_mi308x_nodes():
     r = subprocess.run([sys.executable, "-m", "model.plan", "--config", "configs/dsv4.yaml",
                         "rollout.max_model_len=16384", "rollout.max_tokens=8192"], capture_output=True, text=True)
     assert r.stdout.strip().splitlines()[-1] == "does not fit (actor over)"
+
+
+def test_mini_fits_its_two_gpus():
+    """mini.yaml's own deploy section (1 actor + 1 rollout H200) holds its worst case, full-length sequences of
+    rollout.max_model_len; at 4,096 tokens its 8-sequence micro-batches would not."""
+    run = RunConfig.load("configs/mini.yaml", [])
+    assert plan(run)["fits"], plan(run)
+    assert not plan(RunConfig.load("configs/mini.yaml", ["rollout.max_model_len=4096"]))["fits"]
