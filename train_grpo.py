@@ -1048,9 +1048,17 @@ def _diff(a, b, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix}: checkpoint {a!r}, config {b!r}"]
 
 
+def _older(path: Path) -> str:
+    """For an error about a damaged checkpoint: '; ...' naming the newest complete one before it in its directory
+    (the --resume to go on from), or ''."""
+    older = sorted(p for p in path.parent.glob("step_*") if p.name < path.name and (p / "meta.json").exists())
+    return f"; the newest complete checkpoint before it: --resume {older[-1]}" if older else ""
+
+
 def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: int) -> dict:
     """Everything about a checkpoint that can be wrong, checked before the actor is built: meta.json, the layout
-    it was written with, the model config, and this rank's shard file (its header and size). Returns meta."""
+    it was written with, the model config, and this rank's shard file (its header and size). Returns meta. A
+    damaged file's error names the newest complete checkpoint before this one, if any."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         saved_model = meta["config"]["model"]
@@ -1059,7 +1067,7 @@ def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: in
     except FileNotFoundError:
         raise SystemExit(f"{path}: not a checkpoint (no meta.json)") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"{path / 'meta.json'}: corrupt ({type(e).__name__}: {e})") from None
+        raise SystemExit(f"{path / 'meta.json'}: corrupt ({type(e).__name__}: {e}){_older(path)}") from None
     if written != (n_actor, ep):
         raise SystemExit(f"{path}: written by {written[0]} actor ranks with ep={written[1]}; this run has {n_actor} "
                          f"with ep={ep} (shards are per rank)")
@@ -1068,12 +1076,12 @@ def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: in
         raise SystemExit(f"{path}: the checkpoint's model does not match the config: " + "; ".join(bad[:5]))
     f = path / f"actor-rank{rank:05d}.safetensors"
     if not f.exists():
-        raise SystemExit(f"{path}: missing {f.name}")
+        raise SystemExit(f"{path}: missing {f.name}{_older(path)}")
     try:  # parses the header and checks that the file holds every byte it declares
         with safe_open(str(f), "pt") as h:
             h.keys()
     except Exception as e:
-        raise SystemExit(f"{f}: corrupt checkpoint shard ({type(e).__name__}: {e})") from None
+        raise SystemExit(f"{f}: corrupt checkpoint shard ({type(e).__name__}: {e}){_older(path)}") from None
     return meta
 
 

@@ -251,6 +251,18 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
     for path, c, n_actor, msg in cases:
         with pytest.raises(SystemExit, match=msg):
             check_checkpoint(path, c, 1, n_actor, 1)
+    # in a run's checkpoints directory a damaged file's error names the newest complete checkpoint before it
+    ck = tmp_path / "run" / "checkpoints"
+    for step in (2, 3, 4):
+        shutil.copytree(src, ck / f"step_{step:06d}")
+    (ck / "step_000003" / "meta.json").unlink()  # damaged too: not the one to go on from
+    os.truncate(ck / "step_000004" / "actor-rank00001.safetensors", 5000)
+    with pytest.raises(SystemExit, match=r"corrupt checkpoint shard .*; the newest complete checkpoint before it: "
+                                         r"--resume .*/step_000002$"):
+        check_checkpoint(ck / "step_000004", cfg, 1, 2, 1)
+    with pytest.raises(SystemExit, match=r"step_000002: missing actor-rank00001.safetensors$"):
+        (ck / "step_000002" / "actor-rank00001.safetensors").unlink()
+        check_checkpoint(ck / "step_000002", cfg, 1, 2, 1)
 
 
 def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothing(ref, tmp_path):
