@@ -51,6 +51,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -1018,10 +1019,21 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pe
     dist.barrier(group=d.actor_group)
 
 
+def _step(p: Path) -> int | None:
+    """The step of a checkpoint directory named step_N, else None."""
+    m = re.fullmatch(r"step_(\d+)", p.name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints (step_N directories with a meta.json) under root, oldest step first."""
+    return sorted((p for p in root.glob("step_*") if _step(p) is not None and (p / "meta.json").exists()), key=_step)
+
+
 def prune_checkpoints(root: Path, keep: int):
     """Delete all but the newest `keep` complete checkpoints (0: keep all). Complete ones only are counted: a
     damaged one (no meta.json) is no stand-in for a newer complete one."""
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists())
+    done = complete_checkpoints(root)
     for old in done[:-keep] if keep > 0 else []:
         gone = root / f".del_{old.name}"  # renamed first: never a half-deleted directory under a final name
         os.replace(old, gone)
@@ -1038,7 +1050,7 @@ def find_checkpoint(out: Path, resume: str) -> Path | None:
         if not (p / "meta.json").exists():
             raise SystemExit(f"--resume {resume}: not a complete checkpoint (no meta.json)")
         return p
-    done = sorted(p for p in (out / "checkpoints").glob("step_*") if (p / "meta.json").exists())
+    done = complete_checkpoints(out / "checkpoints")
     return done[-1] if done else None
 
 
@@ -1049,10 +1061,12 @@ def _diff(a, b, prefix: str) -> list[str]:
 
 
 def _older(path: Path) -> str:
-    """For an error about a damaged checkpoint: '; ...' naming the newest complete one before it in its directory
-    (the --resume to go on from), or ''."""
-    older = sorted(p for p in path.parent.glob("step_*") if p.name < path.name and (p / "meta.json").exists())
-    return f"; the newest complete checkpoint before it: --resume {older[-1]}" if older else ""
+    """For an error about a damaged checkpoint step_N: '; ...' naming the newest complete one before it in its
+    directory, which --resume auto takes once the damaged one is moved aside, or ''."""
+    step = _step(path)
+    older = [p for p in complete_checkpoints(path.parent) if step is not None and _step(p) < step]
+    return (f"; move it out of {path.parent} and --resume auto goes on from the newest complete checkpoint before "
+            f"it, {older[-1]} (or --resume that path)" if older else "")
 
 
 def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: int) -> dict:

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each bounded in time, logs under $OUT (default bench/out). Parts by name:
 #   bash bench/gpu_suite.sh tests linears rollout train sync grpo
-# Triton's compiled kernels go to TRITON_CACHE_DIR (default /tmp/triton-cache) and, after the parts, their binaries
-# and metadata to $OUT/triton_cache.tar.gz. On a fresh machine TRITON_CACHE_TAR=that file unpacks them first, so
-# unchanged kernels are not compiled again (the part `tests` on an H200: 418 s cold, 38 s from the cache). The
-# cache's group files name their entries by absolute path: unpack into the same TRITON_CACHE_DIR as they were made
-# in (elsewhere Triton finds none of them and compiles, nothing worse).
+# Triton's compiled kernels (in TRITON_CACHE_DIR, default Triton's own ~/.triton/cache): after the parts, the
+# binaries and metadata of everything in it go to $OUT/triton_cache.tar.gz. On a fresh machine TRITON_CACHE_TAR=that
+# file unpacks them first, so unchanged kernels are not compiled again (the part `tests` on an H200: 418 s cold, 38 s
+# from the cache). The cache's group files name their entries by absolute path: unpack into the same
+# TRITON_CACHE_DIR as they were made in (elsewhere Triton finds none of them and compiles, nothing worse).
 set -u
 OUT=${OUT:-bench/out}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-mkdir -p "$TRITON_CACHE_DIR"
+mkdir -p "$OUT" || exit 2
+OUT=$(CDPATH= cd -- "$OUT" >/dev/null && pwd)
+export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE_DIR" || exit 2
+export TRITON_CACHE_DIR=$(CDPATH= cd -- "$TRITON_CACHE_DIR" >/dev/null && pwd)
 if [ -n "${TRITON_CACHE_TAR:-}" ]; then
-  tar -xzf "$TRITON_CACHE_TAR" -C "$TRITON_CACHE_DIR" || { echo "TRITON_CACHE_TAR=$TRITON_CACHE_TAR: not a readable .tar.gz" >&2; exit 2; }
-  echo "triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files in $TRITON_CACHE_DIR"
+  if tar -xzf "$TRITON_CACHE_TAR" -C "$TRITON_CACHE_DIR"; then
+    echo "triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files in $TRITON_CACHE_DIR"
+  else
+    echo "TRITON_CACHE_TAR=$TRITON_CACHE_TAR: not a readable .tar.gz; the kernels compile as they are used" >&2
+  fi
 fi
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for part in "$@"; do
@@ -50,5 +56,7 @@ for part in "$@"; do
   esac
 done
 # the kernels' binaries (cubin / hsaco), metadata and launchers; the IR text files are not needed to load them
+# (written under a temporary name: a run cut short leaves no half archive for the next one)
 (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.hsaco' -o -name '*.json' -o -name '*.so' \) \
-  | tar -czf "$OUT/triton_cache.tar.gz" -T -) && echo "triton cache: $OUT/triton_cache.tar.gz"
+  | tar -czf "$OUT/triton_cache.tar.gz.tmp" -T -) && mv "$OUT/triton_cache.tar.gz.tmp" "$OUT/triton_cache.tar.gz" \
+  && echo "triton cache: $OUT/triton_cache.tar.gz"

@@ -413,7 +413,10 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
     save_file(tensors, str(path), metadata=metadata)
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    try:
+        os.chmod(path, 0o666 & ~mask)
+    except OSError:  # a filesystem without modes (some network / FUSE mounts): the file is written, keep it as is
+        pass
 
 
 def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = False, dtype=torch.bfloat16,

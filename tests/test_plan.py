@@ -66,6 +66,7 @@ def test_dsv4_fits_two_plus_one_mi308x_nodes():
 def test_mini_fits_its_two_gpus():
     """mini.yaml's own deploy section (1 actor + 1 rollout H200) holds its worst case, full-length sequences of
     rollout.max_model_len; at 4,096 tokens its 8-sequence micro-batches would not."""
-    run = RunConfig.load("configs/mini.yaml", [])
-    assert plan(run)["fits"], plan(run)
-    assert not plan(RunConfig.load("configs/mini.yaml", ["rollout.max_model_len=4096"]))["fits"]
+    p = plan(RunConfig.load("configs/mini.yaml", []))
+    assert p["fits"], p
+    p = plan(RunConfig.load("configs/mini.yaml", ["rollout.max_model_len=4096"]))
+    assert not p["fits_actor"] and p["fits_rollout"], p

@@ -253,16 +253,23 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
             check_checkpoint(path, c, 1, n_actor, 1)
     # in a run's checkpoints directory a damaged file's error names the newest complete checkpoint before it
     ck = tmp_path / "run" / "checkpoints"
-    for step in (2, 3, 4):
+    for step in (1, 2, 3, 4, 10):
         shutil.copytree(src, ck / f"step_{step:06d}")
     (ck / "step_000003" / "meta.json").unlink()  # damaged too: not the one to go on from
     os.truncate(ck / "step_000004" / "actor-rank00001.safetensors", 5000)
-    with pytest.raises(SystemExit, match=r"corrupt checkpoint shard .*; the newest complete checkpoint before it: "
-                                         r"--resume .*/step_000002$"):
+    with pytest.raises(SystemExit, match=r"corrupt checkpoint shard .*; move it out of .*checkpoints and --resume "
+                                         r"auto goes on from the newest complete checkpoint before it, "
+                                         r".*/step_000002 \(or --resume that path\)$"):
         check_checkpoint(ck / "step_000004", cfg, 1, 2, 1)
-    with pytest.raises(SystemExit, match=r"step_000002: missing actor-rank00001.safetensors$"):
-        (ck / "step_000002" / "actor-rank00001.safetensors").unlink()
-        check_checkpoint(ck / "step_000002", cfg, 1, 2, 1)
+    os.replace(ck / "step_000010", ck / "step_999999")  # past 999,999 steps the number orders, not the name
+    shutil.copytree(src, ck / "step_1000000")
+    (ck / "step_1000000" / "actor-rank00001.safetensors").unlink()
+    with pytest.raises(SystemExit, match=r"step_1000000: missing actor-rank00001.safetensors; .* before it, "
+                                         r".*/step_999999 "):
+        check_checkpoint(ck / "step_1000000", cfg, 1, 2, 1)
+    (ck / "step_000001" / "actor-rank00001.safetensors").unlink()
+    with pytest.raises(SystemExit, match=r"step_000001: missing actor-rank00001.safetensors$"):  # none before it
+        check_checkpoint(ck / "step_000001", cfg, 1, 2, 1)
 
 
 def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothing(ref, tmp_path):
