@@ -1064,7 +1064,9 @@ def _older(path: Path) -> str:
     """For an error about a damaged checkpoint step_N: '; ...' naming the newest complete one before it in its
     directory, which --resume auto takes once the damaged one is moved aside, or ''."""
     step = _step(path)
-    older = [p for p in complete_checkpoints(path.parent) if step is not None and _step(p) < step]
+    if step is None:
+        return ""
+    older = [p for p in complete_checkpoints(path.parent) if _step(p) < step]
     return (f"; move it out of {path.parent} and --resume auto goes on from the newest complete checkpoint before "
             f"it, {older[-1]} (or --resume that path)" if older else "")
 
