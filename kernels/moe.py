@@ -393,15 +393,18 @@ if triton is not None:
     def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, E, stride_x, limit, fmax, N: tl.constexpr,
                          K: tl.constexpr, BN: tl.constexpr, NKBP: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
                          GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         J0: tl.constexpr = 0, JN: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Program (slot s, pn): rows [pn * BN, (pn + 1) * BN) of the slot's expert (token t = s // KT, its j-th
         slot: routed IDS[t, j] for j < KR, else the shared expert E - KT + j of the E), whole (BN, K) weight slabs
         in one load each and slab_dot, the GEMV kernel's product. GATED (up): Y[s, rows] = SwiGLU(x W1^T, x W3^T)
         for x token t's row of X, in Y's dtype (the tiled up kernel's arithmetic); else (down): Y[s, rows] =
         (X[s] W^T) times the slot's routing weight (1 for a shared expert), fp32. An id of E or more (another
-        rank's expert) stores nothing: the sum skips that slot."""
+        rank's expert) stores nothing: the sum skips that slot. JN > 0: the grid covers only slots J0 .. J0 + JN
+        - 1 of each token (the routed ones, or the shared ones, launched apart)."""
         pdl_wait(PDL)
         s, pn = tl.program_id(0), tl.program_id(1)
+        if JN > 0:
+            s = s // JN * KT + J0 + s % JN
         t, j = s // KT, s % KT
         e = tl.where(j < KR, tl.load(IDS + t * KR + j, mask=j < KR, other=0), E - KT + j).to(tl.int64)
         if e >= E:
@@ -446,28 +449,58 @@ MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
 
 
 def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, slab: int | None = None,
-              warps: int | None = None) -> SlotRows:
+              warps: int | None = None, slots: str = "all", rows: SlotRows | None = None) -> SlotRows:
     """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, one program
     per (slot, slab of weight rows), -> the slot rows (SlotRows). fused_moe's numerics with the products' sums in
     another order.
-    slab, warps: a program's most weight bytes and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS)."""
+    slab, warps: a program's most weight bytes and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS).
+    slots: "all", or only "shared" / "routed" ones (the same bits a slot), into rows' buffers (moe_gemv_rows)."""
     T, D = x.shape
     E, I, _ = w1.shape
-    k = ids.shape[1]
-    kt = k + n_shared
+    rows = rows or moe_gemv_rows(x, ids, w1, n_shared)
+    k, kt = rows.k, rows.kt
+    j0, jn = {"all": (0, 0), "routed": (0, k), "shared": (k, kt - k)}[slots]
     scaled = s1 is not None
-    ids, wts = ids.contiguous(), weights.float().contiguous()
-    h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
+    ids = rows.ids if rows.ids is not None else rows.y  # (only the routed slots read ids and weights)
+    wts = weights.float().contiguous() if weights is not None else ids
+    h, y = rows.h, rows.y
     x = x.contiguous()
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
-    for X, W, S, W3, S3, Y, N, K, gated in launches if T else ():
+    for X, W, S, W3, S3, Y, N, K, gated in launches if T * (jn or kt) else ():
         bn = slab_rows(N, K * W.element_size() * (2 if gated else 1), slab=slab or MOE_GEMV_SLAB)
-        _moe_gemv_kernel[(T * kt, N // bn)](
+        _moe_gemv_kernel[(T * (jn or kt), N // bn)](
             X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
-            SCALED=scaled, BLOCK_K=BLOCK, num_warps=warps or MOE_GEMV_WARPS, **pdl(x))
-    return SlotRows(y, ids, E, k, kt, x.dtype)
+            SCALED=scaled, BLOCK_K=BLOCK, J0=j0, JN=jn, num_warps=warps or MOE_GEMV_WARPS, **pdl(x))
+    return rows
+
+
+def moe_gemv_rows(x, ids, w1, n_shared: int, k: int | None = None) -> SlotRows:
+    """The GEMV kernels' buffers for x's tokens, k routed (ids' width) + n_shared slots each: SlotRows with its
+    up output h (T * kt, I) in x's dtype. ids may come later (moe_gemv_shared: None, k given)."""
+    T, _ = x.shape
+    k = ids.shape[1] if ids is not None else k
+    kt = k + n_shared
+    y = torch.empty(T * kt, x.shape[1], dtype=torch.float32, device=x.device)
+    h = torch.empty(T * kt, w1.shape[1], dtype=x.dtype, device=x.device)
+    return SlotRows(y, None if ids is None else ids.contiguous(), w1.shape[0], k, kt, x.dtype, h)
+
+
+def moe_gemv_shared(x, k: int, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
+                    stream=None) -> SlotRows | None:
+    """The shared experts' slots of fused_moe's GEMV path (up to MOE_GEMV_TOKENS tokens), before the routing is
+    known: -> their SlotRows (routed slots not yet written), for fused_moe(..., rows=) to finish; None where
+    fused_moe would not take the GEMV kernels (or there is no shared expert). stream: a second CUDA stream to
+    launch them on (after it waits for the current one), beside the router; the buffers belong to the current
+    stream, and the caller has the current stream wait for `stream` before the rows are read or x is freed."""
+    T, D = x.shape
+    if not n_shared or T > MOE_GEMV_TOKENS or not moe_kernels_take(x, D, w1.shape[1]):
+        return None
+    rows = moe_gemv_rows(x, None, w1, n_shared, k)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        return _moe_gemv(x, None, None, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="shared", rows=rows)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
@@ -542,7 +575,7 @@ def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
               tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None, xq=None,
-              overlap: bool | None = None, summed: bool = True):
+              overlap: bool | None = None, summed: bool = True, rows: SlotRows | None = None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
     rows of a row block (default moe_block_m). gemv: the GEMV kernels instead (_moe_gemv; default up to
@@ -552,12 +585,17 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     down kernel's programs wait each for its row block's up tiles, not for the whole up launch (default
     moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way). summed=False: on
     the kernels' path the slot rows unsummed (SlotRows, whose summed() gives the same bits), for a consumer that
-    sums them itself; fused_moe_ref's result is summed either way."""
+    sums them itself; fused_moe_ref's result is summed either way. rows: moe_gemv_shared's for this x (its
+    shared slots already made, on another stream): the GEMV kernels add the routed ones (the same bits)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
     if not moe_kernels_take(x, D, I):
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
+    if rows is not None:  # moe_gemv_shared's: its slots are done, the routed ones go into its buffers
+        rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="routed",
+                         rows=rows._replace(ids=ids.contiguous()))
+        return rows.summed() if summed else rows
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
         rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
         return rows.summed() if summed else rows
@@ -606,13 +644,15 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
 class SlotRows(NamedTuple):
     """fused_moe's output before each token's slots are summed (summed=False), for a consumer that sums them
     itself (kernels.fused.hc_post): y (T * kt, D) fp32, token t's j-th slot at row t * kt + j; ids (T, k) the
-    routed experts (an id of E or more: another rank's, its row never written); dtype: the sum's (x's)."""
+    routed experts (an id of E or more: another rank's, its row never written); dtype: the sum's (x's); h: the
+    GEMV kernels' up output (T * kt, I), where they made the rows."""
     y: torch.Tensor
     ids: torch.Tensor
     E: int
     k: int
     kt: int
     dtype: torch.dtype
+    h: torch.Tensor | None = None
 
     def summed(self) -> torch.Tensor:
         """(T, D) in dtype: each token's kt slots summed in slot order in fp32 (_moe_sum_kernel)."""

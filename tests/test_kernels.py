@@ -211,6 +211,13 @@ INTERPRETED = textwrap.dedent("""
                 for slab in (1024, 65536):
                     assert torch.equal(got, km._moe_gemv(xs[:T_], ids_sh[:T_], wt[:T_], *ws_, 10.0, n_sh,
                                                          slab=slab, warps=4).summed()), (n_sh, T_, slab)
+                # the shared expert's slots first (the engine launches them beside the router), then the routed
+                # ones into the same rows: the same bits
+                rows = km.moe_gemv_shared(xs[:T_], ids_sh.shape[1], *ws_, 10.0, n_sh)
+                assert (rows is None) == (n_sh == 0), n_sh
+                if rows is not None:
+                    assert torch.equal(got, km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh,
+                                                         rows=rows)), (n_sh, T_)
     km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
