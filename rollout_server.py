@@ -60,7 +60,7 @@ from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
 from kernels.sample import gumbel_sample
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
-from model.weights import FP8_LINEAR, load_pretrained, stored_scale_fmt
+from model.weights import FP8_LINEAR, float_dtype, load_pretrained, stored_scale_fmt
 
 
 MIN_TEMPERATURE = 1e-30
@@ -775,6 +775,7 @@ class SimpleEngine:
         """record_index: each Output also carries the indexer's chosen entries (Output.index_entries)."""
         check_sizes(max_batch_tokens=max_batch_tokens)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = float_dtype(dtype, type(self).__name__)
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
@@ -1378,6 +1379,7 @@ class Engine:
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = float_dtype(dtype, type(self).__name__)
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
@@ -2274,11 +2276,12 @@ def read_prompts(path: Path, tokenizer, vocab: int,
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
         sp = base
         if isinstance(d, dict):
-            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt")}
+            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt", "answer")}  # (answer:
+            # the training JSONL's, not read here)
             bad = sorted(over.keys() - _LINE_FIELDS.keys())
             if bad:
                 raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
-                                 f"prompt, and {', '.join(sorted(_LINE_FIELDS))})")
+                                 f"prompt, and {', '.join(sorted(_LINE_FIELDS))}; answer is ignored)")
             for k, v in over.items():
                 if not _LINE_FIELDS[k][1](v):
                     raise SystemExit(f"{path}:{n}: {k} = {json.dumps(v)} is not {_LINE_FIELDS[k][0]}")
@@ -2430,8 +2433,10 @@ def main(argv=None):
         for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
             end = start + args.chunk
             for i, o in enumerate(engine.generate(prompts[start:end], params[start:end], first_index=start)):
-                rec = {"index": start + i, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
-                       "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                # (with --n a prompt's lines follow each other)
+                rec = {"index": (start + i) // args.n, "sample": (start + i) % args.n,
+                       "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
+                       "finish_reason": o.finish_reason}
                 if tok is not None:
                     rec["text"] = tok.decode(o.token_ids)
                 if not args.no_routed_experts:

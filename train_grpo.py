@@ -306,11 +306,25 @@ class RunConfig:
             kw["model"] = ModelConfig.from_dict(d["model"], f"{path}: model")
         for name, sec in SECTIONS.items():
             kw[name] = build_section(sec, d.get(name), f"{path}: {name}")
+        if not 0 <= kw.get("seed", 0) < 2 ** 32:
+            raise ConfigError(f"{path}: seed: expected an integer in [0, 2**32), got {kw['seed']}")
         cfg = cls(**kw)
         if cfg.init_from:
             from model.config import load_hf_config
             cfg.model = load_hf_config(cfg.init_from)
+            if "model" in d:
+                cls._init_from_differs(cfg.init_from, kw["model"].to_dict(), cfg.model.to_dict(), overrides)
         return cfg
+
+    @staticmethod
+    def _init_from_differs(init_from: str, mine: dict, theirs: dict, overrides):
+        """With init_from the model is the checkpoint's config.json (the config file's model section is not read):
+        a model.* override asking for something else is an error."""
+        asked = {item.partition("=")[0].split(".")[1] for item in overrides if item.startswith("model.")}
+        bad = sorted(k for k in asked if k in mine and mine[k] != theirs.get(k))
+        if bad:
+            raise ConfigError("; ".join(f"model.{k}: the override asks {mine[k]!r}, but init_from {init_from} "
+                                        f"takes the model from its config.json ({k} {theirs.get(k)!r})" for k in bad))
 
     def validate_world(self, world: int):
         if self.deploy.world_size and self.deploy.world_size != world:
@@ -1435,7 +1449,7 @@ def main(argv=None):
     ap.add_argument("--config", required=True)
     ap.add_argument("--resume", default="", help="'auto' = newest complete checkpoint in out_dir, or a path")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before and after --resume
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = RunConfig.load(args.config, args.overrides)
@@ -1444,6 +1458,11 @@ def main(argv=None):
                 cfg.validate_world(int(os.environ["WORLD_SIZE"]))
             except ConfigError as e:
                 raise ConfigError(f"{args.config}: {e}") from None
+        out = Path(cfg.out_dir)
+        while not out.exists() and out.parent != out:  # the nearest existing folder must be one
+            out = out.parent
+        if not out.is_dir():
+            raise ConfigError(f"out_dir {cfg.out_dir}: {out} exists and is not a directory")
         if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():
             raise ConfigError(f"--resume {args.resume}: not a complete checkpoint (no meta.json)")
         task, tok = make_task(cfg)

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import numbers
 import warnings
 from dataclasses import dataclass, field
@@ -159,6 +160,10 @@ class ModelConfig:
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
                 fail("rope_scaling", f"must be a mapping or null, got {self.rope_scaling!r}")
+            keys = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+            for k in self.rope_scaling:
+                if k not in keys:
+                    fail(f"rope_scaling.{k}", f"unknown key{closest(str(k), keys)}")
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type", "yarn"))
             if kind not in ("yarn", "default"):
                 fail("rope_scaling.type", f"only 'yarn' is supported, got {kind!r}")
@@ -170,8 +175,9 @@ class ModelConfig:
                         fail(f"rope_scaling.{k}", "is required for yarn")
                 for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
                     v = self.rope_scaling.get(k)
-                    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0):
-                        fail(f"rope_scaling.{k}", f"must be a positive number, got {v!r}")
+                    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                          or not 0 < v < math.inf):
+                        fail(f"rope_scaling.{k}", f"must be a positive finite number, got {v!r}")
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -303,7 +309,7 @@ class ModelConfig:
             out["rope_scaling"] = None if rs is None else yarn_of(rs, key)
         return cls.from_dict(out, where)
 
-    def to_hf_config(self, quantization: dict | None = None) -> dict:
+    def to_hf_config(self, quantization: dict | None = None, dtype: str = "bfloat16") -> dict:
         """config.json in the official release naming (which `transformers` also reads)."""
         if not self.norm_topk_prob:
             warnings.warn("norm_topk_prob=false has no config.json form: load_pretrained and transformers divide "
@@ -328,7 +334,7 @@ class ModelConfig:
             "compress_rope_theta": self.compress_rope_theta, "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id, "num_nextn_predict_layers": 0,
-            "hidden_act": "silu", "torch_dtype": "bfloat16",
+            "hidden_act": "silu", "torch_dtype": dtype,
         }
         if self.rope_scaling is not None:
             d["rope_scaling"] = dict(self.rope_scaling)
@@ -402,6 +408,19 @@ def _yaml_loader():
                                       for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                  list("tTfF"))
+
+    def mapping(loader, node, deep=False):  # a key given twice is an error (PyYAML keeps the last one silently)
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` (its keys may be given again after it)
+                continue
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark,
+                                                        f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+    Loader.construct_mapping = mapping
     return Loader
 
 
@@ -503,6 +522,8 @@ def build_section(cls, d: dict | None, where: str):
                 raise ConfigError(f"{_at(where, k)}: expected {want.__name__}, got {v!r}")
             elif want is float and not isinstance(v, float):
                 raise ConfigError(f"{_at(where, k)}: expected a number, got {v!r}")
+            elif want is float and not math.isfinite(v):
+                raise ConfigError(f"{_at(where, k)}: expected a finite number, got {v!r}")
         kwargs[k] = v
     try:
         return cls(**kwargs)

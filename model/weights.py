@@ -359,18 +359,27 @@ def stored_scale_fmt(path: str | Path) -> str:
     return "ue8m0" if isinstance(q, dict) and q.get("scale_fmt") == "ue8m0" else "fp32"
 
 
+def float_dtype(dtype, who: str) -> torch.dtype:
+    """dtype as a torch float dtype of the weights: torch.float32 / bfloat16 / float16, or its name ("bfloat16",
+    "torch.bfloat16"); anything else is a ValueError naming `who`."""
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{who}: dtype {dtype!r}: torch.float32, torch.bfloat16 or torch.float16")
+    return dtype
+
+
 def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
                     cfg: ModelConfig | None = None) -> Transformer:
     """Read a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Transformer in eval mode.
 
-    Tensors the model keeps in fp32 (norms, sinks, mHC, ape, gate bias) stay fp32; everything else is `dtype`.
+    Tensors the model keeps in fp32 (norms, sinks, mHC, ape, gate bias) stay fp32; everything else is `dtype`
+    (or its name). device None: torch's default device.
     """
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        dtype = getattr(torch, dtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_pretrained: dtype {dtype!r}: torch.float32, torch.bfloat16 or torch.float16")
+    dtype = float_dtype(dtype, "load_pretrained")
     if isinstance(device, torch.dtype):
         raise TypeError(f"load_pretrained: device {device!r} is a dtype (pass it as dtype=)")
+    device = torch.get_default_device() if device is None else device
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
@@ -428,6 +437,7 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
     scales (`<name>.scale`). `tensors` (release name, full tensor) replaces `model` for sharded callers.
     Files are written under temporary names and renamed; the index is written last.
     """
+    dtype = float_dtype(dtype, "save_pretrained")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = cfg or model.cfg
@@ -476,7 +486,7 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
         final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(path / tmp, path / final)
         weight_map.update({k: final for k in keys})
-    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(quant), indent=2))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_config(quant, str(dtype).removeprefix("torch.")), indent=2))
     index_tmp = path / ".tmp-index.json"
     index_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     os.replace(index_tmp, path / "model.safetensors.index.json")

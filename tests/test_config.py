@@ -74,7 +74,7 @@ def test_ambiguous_compress_ratios_need_layer_types():
     ("model.compress_ratios=[0,4,16,null]", r"model\.compress_ratios\[3\]: must be an integer, got None"),
     ("model.compress_ratios=[0,4,16,4.5]", r"model\.compress_ratios\[3\]: must be an integer, got 4\.5"),
     ("model.compress_ratios=[0,4,16,4,16]", r"model\.compress_ratios: has 5 entries, need num_hidden_layers = 4"),
-    ("model.rope_scaling.factor=abc", r"model\.rope_scaling\.factor: must be a positive number, got 'abc'"),
+    ("model.rope_scaling.factor=abc", r"model\.rope_scaling\.factor: must be a positive finite number, got 'abc'"),
     ("model.qk_rope_head_dim=0", r"model\.qk_rope_head_dim: must be a positive integer, got 0"),
 ])
 def test_yaml_validation_names_the_key(override, message):
@@ -162,6 +162,39 @@ def test_malformed_config_json_is_named(tmp_path):
                                        "compress_ratios": [0, 4]}).num_hidden_layers == 2
 
 
+def test_duplicate_keys_typos_and_conflicts_are_named(tmp_path):
+    """A key given twice in the YAML (PyYAML kept the last silently: a second `train:` section dropped the first),
+    a typo inside model.rope_scaling, a non-finite number, a seed torch cannot take, and a model.* override that
+    init_from would have dropped: each an error naming the key (and the line)."""
+    from model import build_model, save_pretrained
+    from train_grpo import RunConfig
+    text = (CONFIGS / "tiny.yaml").read_text()
+    (tmp_path / "sec.yaml").write_text(text + "\ntrain:\n  steps: 7\n")
+    (tmp_path / "leaf.yaml").write_text(text.replace("\nseed: 0\n", "\nseed: 0\nseed: 1\n"))
+    assert "\nseed: 0\n" in text
+    for name, key in (("sec.yaml", "train"), ("leaf.yaml", "seed")):
+        with pytest.raises(ConfigError, match=rf"{name}: invalid YAML(.|\n)*key '{key}' given twice(.|\n)*line \d+"):
+            RunConfig.load(tmp_path / name)
+    (tmp_path / "merge.yaml").write_text("base: &b {lr: 1, x: 2}\ntrain:\n  <<: *b\n  lr: 3\n")
+    assert load_yaml(tmp_path / "merge.yaml")["train"] == {"lr": 3, "x": 2}  # a merge's key may be given again
+    for item, match in [("model.rope_scaling.fator=8", r"model\.rope_scaling\.fator: unknown key \(did you mean "
+                                                       r"'factor'\?\)"),
+                        ("model.rope_scaling.factor=.inf", r"rope_scaling\.factor: must be a positive finite number"),
+                        ("train.lr=.inf", r"train\.lr: expected a finite number, got inf"),
+                        ("rollout.temperature=.nan", r"rollout\.temperature: expected a finite number, got nan"),
+                        ("seed=99999999999999999999", r"seed: expected an integer in \[0, 2\*\*32\)"),
+                        ("seed=-1", r"seed: expected an integer in \[0, 2\*\*32\)")]:
+        with pytest.raises(ConfigError, match=match):
+            RunConfig.load("configs/tiny.yaml", [item])
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
+    save_pretrained(build_model(cfg, seed=0), tmp_path / "ckpt")
+    run = RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=64"])
+    assert run.model.hidden_size == cfg.hidden_size == 64  # an override that agrees with the checkpoint is fine
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: the override asks 96, but init_from .*ckpt takes "
+                                          r"the model from its config.json \(hidden_size 64\)"):
+        RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=96"])
+
+
 def test_null_and_infinite_values_are_named():
     """`key=null` where the field takes no None raised TypeError in __post_init__ on every rank; an infinite
     timeout or sync bucket passed validation and raised OverflowError at start-up (after the actor was built)."""
@@ -169,8 +202,8 @@ def test_null_and_infinite_values_are_named():
     for item, match in [("ckpt.every=null", "ckpt.every: expected int, got null"),
                         ("train.steps=null", "train.steps: expected int, got null"),
                         ("rollout.sync_verify=null", "rollout.sync_verify: expected bool, got null"),
-                        ("deploy.timeout_s=.inf", "timeout_s: must be > 0 and finite, got inf"),
-                        ("rollout.sync_bucket_mb=inf", "sync_bucket_mb: must be > 0 and finite, got inf")]:
+                        ("deploy.timeout_s=.inf", "deploy.timeout_s: expected a finite number, got inf"),
+                        ("rollout.sync_bucket_mb=inf", "rollout.sync_bucket_mb: expected a finite number, got inf")]:
         with pytest.raises(ConfigError, match=match):
             RunConfig.load("configs/tiny.yaml", [item])
     assert RunConfig.load("configs/tiny.yaml", ["model.eos_token_id=null"]).model.eos_token_id is None

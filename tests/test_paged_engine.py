@@ -176,7 +176,7 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     from rollout_server import _LINE_FIELDS, main
     assert set(_LINE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}  # every field a line may set
     lines = [[5, 6, 7], {"prompt_token_ids": [3, 4], "max_tokens": 2, "seed": 9}, [8] * 9,
-             {"prompt_token_ids": [5, 6, 7], "temperature": 0}, [9, 10]]
+             {"prompt_token_ids": [5, 6, 7], "temperature": 0}, {"prompt_token_ids": [9, 10], "answer": "7"}]
     src = tmp_path / "p.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     outs = {}
@@ -197,7 +197,7 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         assert len(r["index_entries"]) == len(r["prompt_token_ids"]) + len(r["token_ids"]) - 1
         assert {len(x) for x in r["index_entries"]} == {sum(c == cfg["csa_ratio"] for c in cfg["compress_ratios"])}
         assert {len(y) for x in r["index_entries"] for y in x} == {cfg["index_topk"]}
-    assert [o["index"] for o in outs[2]] == list(range(10))
+    assert [(o["index"], o["sample"]) for o in outs[2]] == [(i // 2, i % 2) for i in range(10)]  # (--n 2)
     for x, y in zip(outs[2], outs[5]):  # the same samples; log-probs to the last bits of other batch shapes
         assert (x["token_ids"], x["finish_reason"]) == (y["token_ids"], y["finish_reason"])
         assert max(abs(u - v) for u, v in zip(x["logprobs"], y["logprobs"])) < 1e-5

@@ -310,9 +310,15 @@ def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
     log = finish(p, timeout=120, ok=False)
     assert p.returncode != 0 and log.count(msg) == 1, log[-3000:]  # said once, by rank 0
     assert not (tmp_path / "run").exists()
+    (tmp_path / "afile").write_text("x")
     for argv, said in [(["train.stpes=3"], "train.stpes: unknown key (did you mean 'steps'?)"),
                        (["--resume", str(tmp_path / "nowhere")],
-                        f"--resume {tmp_path / 'nowhere'}: not a complete checkpoint (no meta.json)")]:
+                        f"--resume {tmp_path / 'nowhere'}: not a complete checkpoint (no meta.json)"),
+                       # overrides on both sides of --resume (argparse had refused the ones after it)
+                       ([f"out_dir={tmp_path / 'run'}", "--resume", "auto", "train.stpes=3"],
+                        "train.stpes: unknown key"),
+                       ([f"out_dir={tmp_path / 'afile' / 'run'}"],
+                        f"out_dir {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} exists and is not a directory")]:
         with pytest.raises(SystemExit) as e:  # before torchrun's environment is even looked at
             train_grpo.main(["--config", "configs/tiny.yaml", *argv])
         assert said in str(e.value.code)

@@ -36,7 +36,10 @@ def _rewrite(path, tensors):
 
 def test_bf16_round_trip_is_exact(tiny, tmp_path):
     save_pretrained(tiny, tmp_path)
-    back = load_pretrained(tmp_path, dtype=torch.bfloat16, progress=False)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = load_pretrained(tmp_path, dtype="bfloat16", device=None, progress=False)  # (None: torch's default)
+    from rollout_server import Engine
+    assert Engine(tmp_path, fp8=False, dtype="torch.bfloat16", device="cpu", max_model_len=64).dtype == torch.bfloat16
     ref = {k: v.clone() for k, v in tiny.state_dict().items()}
     for k, v in back.state_dict().items():
         want = ref[k] if (tiny.keeps_fp32(k) or not v.is_floating_point()) else ref[k].to(torch.bfloat16)
@@ -48,6 +51,11 @@ def test_bf16_round_trip_is_exact(tiny, tmp_path):
 
 def test_fp32_round_trip_sharded_and_prefixed(tiny, tmp_path):
     save_pretrained(tiny, tmp_path / "a", dtype=torch.float32, max_shard_bytes=200_000)
+    # config.json names the dtype the tensors have (it said bfloat16 for every export, and transformers loaded
+    # an fp32 export in bf16)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["torch_dtype"] == "float32"
+    with pytest.raises(ValueError, match="save_pretrained: dtype torch.int8"):
+        save_pretrained(tiny, tmp_path / "c", dtype=torch.int8)
     files = sorted((tmp_path / "a").glob("*.safetensors"))
     assert len(files) > 2 and files[0].name.startswith("model-00001-of-")
     back = load_pretrained(tmp_path / "a", progress=False)
