@@ -155,13 +155,13 @@ class TrainConfig:
     warmup_steps: int = 10
     lr_schedule: str = "constant"     # constant | cosine (to min_lr_ratio x lr at the last optimizer step)
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata={"inf": "no clipping"})
     eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_high: float = field(default=0.28, metadata={"inf": "no upper clip"})
     loss_agg: str = "token-mean"
     adv_std_norm: bool = True
     kl_coef: float = 0.0
-    tis_cap: float = 2.0
+    tis_cap: float = field(default=2.0, metadata={"inf": "no truncation"})
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2
     routing_replay: str = "R3"        # off | R2 (the actor's own routing from the pi_old pass) | R3 (the rollout's)
@@ -319,12 +319,22 @@ class RunConfig:
     @staticmethod
     def _init_from_differs(init_from: str, mine: dict, theirs: dict, overrides):
         """With init_from the model is the checkpoint's config.json (the config file's model section is not read):
-        a model.* override asking for something else is an error."""
-        asked = {item.partition("=")[0].split(".")[1] for item in overrides if item.startswith("model.")}
-        bad = sorted(k for k in asked if k in mine and mine[k] != theirs.get(k))
+        a model.* override asking for something else (compared key by key, down to the overridden leaf) is an
+        error."""
+        bad = []
+        for item in overrides:
+            key = item.partition("=")[0]
+            if not key.startswith("model."):
+                continue
+            a, b = mine, theirs
+            for part in key.split(".")[1:]:
+                a = a.get(part) if isinstance(a, dict) else None
+                b = b.get(part) if isinstance(b, dict) else None
+            if a != b:
+                bad.append(f"{key}: the override asks {a!r}, but init_from {init_from} takes the model from its "
+                           f"config.json ({b!r})")
         if bad:
-            raise ConfigError("; ".join(f"model.{k}: the override asks {mine[k]!r}, but init_from {init_from} "
-                                        f"takes the model from its config.json ({k} {theirs.get(k)!r})" for k in bad))
+            raise ConfigError("; ".join(bad))
 
     def validate_world(self, world: int):
         if self.deploy.world_size and self.deploy.world_size != world:

@@ -33,7 +33,7 @@ BLOCK = 128  # fp32 values a program moves
 @triton.jit
 def _slab(W, link, pid, G, SLAB: tl.constexpr):
     """A program's SLAB weight bytes for one link (a kernel or a phase), as loaded (uint8)."""
-    return tl.load(W + (link * G + pid) * SLAB + tl.arange(0, SLAB))
+    return tl.load(W + (link * G + pid).to(tl.int64) * SLAB + tl.arange(0, SLAB))
 
 
 @triton.jit
@@ -182,9 +182,11 @@ def main(argv=None):
         cells = [cell("PDL" if p else "no PDL", chain_us(grid, args.kernels, p, slab), grid, slab)
                  for p in ((False, True) if has_pdl else (False,))]
         print(f"grid {grid:5d} programs, {slab} B a program: us a kernel  " + "  ".join(cells), flush=True)
-    for grid in pgrids:
+    for grid in pgrids:  # (at most 64 KB of slabs a program in flight: past that registers spill, and fewer
+        # programs fit an SM than the grid barrier needs resident)
         slab = slab_of(grid)
-        cells = [cell(f"{a} ahead", persistent_us(grid, args.kernels, slab, a), grid, slab) for a in aheads]
+        cells = [cell(f"{a} ahead", persistent_us(grid, args.kernels, slab, a), grid, slab) if slab * a <= 65536
+                 else f"{a} ahead skipped ({a} x {slab} B in flight)" for a in aheads]
         print(f"persistent {grid:5d} programs, {slab} B a program: us a phase  " + "  ".join(cells), flush=True)
 
 

@@ -226,8 +226,9 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, i
     rows, 2 splits, a CSA layer with 512 selected entries: 38.8 us against 49.9 with the combine kernel); there,
     splits only where they leave 8 key steps each (the CSA layers' entries at 64 rows), gathered entries in 32-key
     steps 3 deep, the window and HCA entries in 64-key steps. One tile (batch 1): 16-key steps, at most 32
-    splits (a call with its combine, us: the window alone 5.3 against 5.6 in 4 splits of 32 keys; 4 HCA entries
-    in a table of 4,096 7.8 in 8 splits against 12.4 in 128; 130-512 CSA entries 8.5 in 32 against 9.4 in 20)."""
+    splits (a call with its combine, us: the window alone 5.3 in 8 against 5.6 in 4 splits of 32 keys; 4 HCA
+    entries in a table of 4,096 8.4 in 32 (7.8 in 8) against 12.4 in 128; 130-512 CSA entries 8.5 in 32 against
+    9.4 in 20)."""
     tiles = B * hb
     if tiles == 1:
         return max(1, min(triton.cdiv(W, 16) + triton.cdiv(entries, 16), 32)), 16, 2, False

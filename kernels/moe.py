@@ -457,12 +457,14 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     slots: "all", or only "shared" / "routed" ones (the same bits a slot), into rows' buffers (moe_gemv_rows)."""
     T, D = x.shape
     E, I, _ = w1.shape
-    rows = rows or moe_gemv_rows(x, ids, w1, n_shared)
+    if rows is None:
+        rows = moe_gemv_rows(x, ids, w1, n_shared)
     k, kt = rows.k, rows.kt
     j0, jn = {"all": (0, 0), "routed": (0, k), "shared": (k, kt - k)}[slots]
     scaled = s1 is not None
-    ids = rows.ids if rows.ids is not None else rows.y  # (only the routed slots read ids and weights)
-    wts = weights.float().contiguous() if weights is not None else ids
+    # (only the routed slots read ids and weights: the shared ones take empty stand-ins of their dtypes)
+    ids = rows.ids if rows.ids is not None else torch.empty(0, dtype=torch.int64, device=x.device)
+    wts = weights.float().contiguous() if weights is not None else rows.y[:0]
     h, y = rows.h, rows.y
     x = x.contiguous()
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
@@ -586,16 +588,21 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way). summed=False: on
     the kernels' path the slot rows unsummed (SlotRows, whose summed() gives the same bits), for a consumer that
     sums them itself; fused_moe_ref's result is summed either way. rows: moe_gemv_shared's for this x (its
-    shared slots already made, on another stream): the GEMV kernels add the routed ones (the same bits)."""
+    shared slots already made, on another stream): the GEMV kernels add the routed ones (the same bits), with
+    summed=False only (tiles, block_m, gemv and xq do not apply)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
     if not moe_kernels_take(x, D, I):
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
     if rows is not None:  # moe_gemv_shared's: its slots are done, the routed ones go into its buffers
+        if summed or ids.shape != (T, rows.k) or rows.y.shape[0] != T * rows.kt:
+            raise ValueError(f"fused_moe(rows=): summed=False (the shared slots are read after the caller joins "
+                             f"their stream) and ids of shape ({T}, {rows.k}), got summed={summed}, ids "
+                             f"{tuple(ids.shape)}, rows of {rows.y.shape[0] // rows.kt} tokens")
         rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="routed",
                          rows=rows._replace(ids=ids.contiguous()))
-        return rows.summed() if summed else rows
+        return rows
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
         rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
         return rows.summed() if summed else rows

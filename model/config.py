@@ -70,7 +70,7 @@ class ModelConfig:
     scoring_func: str = "sqrtsoftplus"
     norm_topk_prob: bool = True          # a YAML switch only: config.json's is not read (see from_hf_config)
     routed_scaling_factor: float = 1.5
-    swiglu_limit: float = 10.0
+    swiglu_limit: float = field(default=10.0, metadata={"inf": "no clamp"})
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -415,7 +415,11 @@ def _yaml_loader():
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` (its keys may be given again after it)
                 continue
             key = loader.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: SafeLoader says so below
+                continue
+            if dup:
                 raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark,
                                                         f"key {key!r} given twice", key_node.start_mark)
             seen.add(key)
@@ -522,8 +526,9 @@ def build_section(cls, d: dict | None, where: str):
                 raise ConfigError(f"{_at(where, k)}: expected {want.__name__}, got {v!r}")
             elif want is float and not isinstance(v, float):
                 raise ConfigError(f"{_at(where, k)}: expected a number, got {v!r}")
-            elif want is float and not math.isfinite(v):
-                raise ConfigError(f"{_at(where, k)}: expected a finite number, got {v!r}")
+            elif want is float and not math.isfinite(v) and not (v == math.inf and "inf" in fields[k].metadata):
+                raise ConfigError(f"{_at(where, k)}: expected a finite number, got {v!r}")  # (inf: where it means
+                # off: the field's metadata says what)
         kwargs[k] = v
     try:
         return cls(**kwargs)

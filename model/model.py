@@ -739,11 +739,12 @@ class MoE(nn.Module):
         quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts).
         summed=False (the rollout engine's, for hc_post_mix): y may be the experts' slot rows unsummed
         (kernels.moe.SlotRows, flat over B * T), where the experts give them and nothing is added to them.
-        side (a CUDA stream; the rollout engine's, which joins it before y is read): experts that can start the
-        shared expert's part before the routing is known (shared_beside) start it there, beside the gate."""
+        side (a CUDA stream; the rollout engine's, which joins it before y is read), with summed=False: experts
+        that can start the shared expert's part before the routing is known (shared_beside) start it there, beside
+        the gate (y's rows are then read only after the join)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        beside = getattr(self.experts, "shared_beside", None) if side is not None else None
+        beside = getattr(self.experts, "shared_beside", None) if side is not None and not summed else None
         rows = beside(flat, self.gate.topk, side) if beside is not None else None
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
                            None if token_mask is None else token_mask.reshape(-1))

@@ -1,5 +1,6 @@
 """Config parsing: release naming, transformers naming, YAML validation with messages that name the key."""
 import json
+import math
 
 import pytest
 
@@ -164,8 +165,9 @@ def test_malformed_config_json_is_named(tmp_path):
 
 def test_duplicate_keys_typos_and_conflicts_are_named(tmp_path):
     """A key given twice in the YAML (PyYAML kept the last silently: a second `train:` section dropped the first),
-    a typo inside model.rope_scaling, a non-finite number, a seed torch cannot take, and a model.* override that
-    init_from would have dropped: each an error naming the key (and the line)."""
+    a typo inside model.rope_scaling, a non-finite number (inf only where the field says it switches something
+    off), a seed outside [0, 2**32) (past 2**64 every rank died in torch.manual_seed), and a model.* override that
+    init_from would have dropped: each an error naming the key (and, for a duplicate, the line)."""
     from model import build_model, save_pretrained
     from train_grpo import RunConfig
     text = (CONFIGS / "tiny.yaml").read_text()
@@ -183,15 +185,22 @@ def test_duplicate_keys_typos_and_conflicts_are_named(tmp_path):
                         ("train.lr=.inf", r"train\.lr: expected a finite number, got inf"),
                         ("rollout.temperature=.nan", r"rollout\.temperature: expected a finite number, got nan"),
                         ("seed=99999999999999999999", r"seed: expected an integer in \[0, 2\*\*32\)"),
-                        ("seed=-1", r"seed: expected an integer in \[0, 2\*\*32\)")]:
+                        ("seed=-1", r"seed: expected an integer in \[0, 2\*\*32\)"),
+                        ("train.grad_clip=-.inf", r"train\.grad_clip: expected a finite number, got -inf")]:
         with pytest.raises(ConfigError, match=match):
             RunConfig.load("configs/tiny.yaml", [item])
+    run = RunConfig.load("configs/tiny.yaml", ["train.grad_clip=.inf", "train.tis_cap=.inf", "model.swiglu_limit=.inf"])
+    assert (run.train.grad_clip, run.train.tis_cap, run.model.swiglu_limit) == (math.inf,) * 3  # inf: off
+    (tmp_path / "unhashable.yaml").write_text("model:\n  [a]: 1\n")
+    with pytest.raises(ConfigError, match="unhashable.yaml: invalid YAML"):  # as SafeLoader says it
+        load_yaml(tmp_path / "unhashable.yaml")
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
     save_pretrained(build_model(cfg, seed=0), tmp_path / "ckpt")
-    run = RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=64"])
-    assert run.model.hidden_size == cfg.hidden_size == 64  # an override that agrees with the checkpoint is fine
+    run = RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=64",
+                                               f"model.rope_scaling.factor={cfg.rope_scaling['factor']}"])
+    assert run.model.hidden_size == cfg.hidden_size == 64  # overrides that agree with the checkpoint are fine
     with pytest.raises(ConfigError, match=r"model\.hidden_size: the override asks 96, but init_from .*ckpt takes "
-                                          r"the model from its config.json \(hidden_size 64\)"):
+                                          r"the model from its config.json \(64\)"):
         RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=96"])
 
 

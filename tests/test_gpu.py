@@ -8,8 +8,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 from kernels.attention import (decode_attention, decode_attention_ref, index_scores, index_scores_ref,  # noqa: E402
                                unrope_ref)
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets, tickets_left  # noqa: E402
-from kernels.moe import (MOE_GEMV_TOKENS, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m, moe_gemv_shared,  # noqa: E402
-                         moe_swap)
+from kernels.moe import (MOE_GEMV_TOKENS, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m,  # noqa: E402
+                         moe_gemv_shared, moe_swap)
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
 
@@ -198,6 +198,8 @@ def test_fused_moe(T, fp8, n_shared, absent):
         pre = fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False, rows=pre)
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(pre.summed(), got)
+        with pytest.raises(ValueError, match="summed=False"):  # summed here would not wait for the side stream
+            fused_moe(x, ids, wt, *args, n_shared=n_shared, rows=moe_gemv_shared(x, k, *args, n_shared=n_shared))
     xs = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, generator=g)
     post, comb = torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g)
     fn = torch.randn(24, 4 * D, device="cuda", generator=g) * 0.02

@@ -217,7 +217,7 @@ INTERPRETED = textwrap.dedent("""
                 assert (rows is None) == (n_sh == 0), n_sh
                 if rows is not None:
                     assert torch.equal(got, km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh,
-                                                         rows=rows)), (n_sh, T_)
+                                                         summed=False, rows=rows).summed()), (n_sh, T_)
     km.act_quant = act_quant_ref
     B, H, d, W, BE = 3, 4, 32, 16, 8
     qq, win = torch.randn(B, H, d, generator=g), torch.randn(5, W, d, generator=g)
