@@ -1783,9 +1783,9 @@ _fault_hits: dict[str, int] = {}
 def fault_point(name: str) -> bool:
     """Fault injection for the recovery tests. GRPO_FAULT="RANK:POINT:N[:ACTION][,...]": the N-th time rank RANK
     passes fault point POINT it kills itself (ACTION kill, the default: SIGKILL), freezes (hang: SIGSTOP), or
-    gets True back (nan: the caller poisons its loss). Only on a run's first attempt, so a torchrun restart
-    resumes cleanly. Points: generate, sync (rollout and driver, mid weight sync), train (mid step), ckpt (shard
-    written, checkpoint not yet complete), loss."""
+    gets True back (nan: the caller poisons its loss, or at update a weight). Only on a run's first attempt, so a
+    torchrun restart resumes cleanly. Points: generate, sync (rollout and driver, mid weight sync), train (mid
+    step), ckpt (shard written, checkpoint not yet complete), loss, update (after an optimizer step)."""
     spec = os.environ.get("GRPO_FAULT", "")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return False

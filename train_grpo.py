@@ -36,7 +36,9 @@ The algorithm, every choice named (defaults in TrainConfig):
   * Logged mismatch between the rollout and the actor: mismatch_kl = mean k3 estimate of KL(mu || pi_old)
     over completion tokens, and mean |log mu - log pi_old|.
   * A mini-batch whose loss or global gradient norm is NaN/Inf is not stepped on (nonfinite_updates in the
-    metrics); train.max_nonfinite_steps such steps in a row stop the run with an error.
+    metrics); train.max_nonfinite_steps such steps in a row stop the run with an error. Weights broken by an
+    update with a finite loss and gradient (NaN/Inf weights after it, or NaN/Inf entropy / mismatch in the next
+    step's pi_old pass) stop it at once, before that step's evaluation and checkpoint.
 
 Failure handling: checkpoints are complete or absent (per-rank shards written into a temporary directory that
 is renamed once every shard and meta.json are on disk); `--resume auto` continues from the newest one with the
@@ -900,6 +902,13 @@ class Actor:
             reshard(self.model)  # no gathered copy may outlive the update (a no-grad pass leaves them gathered)
             self.opt.step(self.lr_at(self.opt_steps), clip=clip_coef(gn, cfg.train.grad_clip))
             self.opt_steps += 1
+            if fault_point("update"):  # the recovery tests' broken weight
+                with torch.no_grad():
+                    local(self.params[0]).view(-1)[0] = float("nan")
+        # a finite loss and gradient can still step the weights out of range (a huge lr): count the tensors that
+        # hold a NaN / Inf after this step's updates (the driver stops before checkpointing them)
+        s["param_nonfinite"] = float(torch.stack([~torch.isfinite(local(p)).all() for p in self.params]).sum()) \
+            if applied else 0.0
         s["grad_norm"] /= max(applied, 1)
         s["loss"] /= len(mbs)
         self.routing_mismatch()  # (clears what the updates' replaying passes counted)
@@ -908,7 +917,7 @@ class Actor:
 
     def _reduce(self, s: dict) -> dict:
         keys = ["tokens", "entropy", "clip", "tis_trunc", "loss", "mismatch_kl", "mismatch_abs", "replay_diff",
-                "replay_total"]
+                "replay_total", "param_nonfinite"]
         v = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.d.device)
         if self.d.n_actor > 1:
             dist.all_reduce(v, group=self.d.actor_group)
@@ -917,7 +926,8 @@ class Actor:
         out = {"loss": r["loss"], "entropy": r["entropy"] / n, "clip_frac": r["clip"] / n, "skipped_update": s["skipped"],
                "nonfinite_updates": s["nonfinite"],
                "tis_trunc_frac": r["tis_trunc"] / n, "mismatch_kl": r["mismatch_kl"] / n,
-               "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"]}
+               "mismatch_abs_logp": r["mismatch_abs"] / n, "grad_norm": s["grad_norm"], "train_tokens": r["tokens"],
+               "param_nonfinite": r["param_nonfinite"]}
         if r["replay_total"]:
             out["routing_mismatch"] = r["replay_diff"] / r["replay_total"]
         return out
@@ -1313,6 +1323,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                                            "mismatch_abs_logp", "grad_norm", "routing_mismatch", "skipped_update",
                                            "nonfinite_updates")
                         if k in ts},
+                     **({"param_nonfinite": ts["param_nonfinite"]} if ts["param_nonfinite"] else {}),
                      "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
                      "rollout_rounds": rs["rounds"], "lr": actor.lr_at(actor.opt_steps - 1),
                      "staleness": float(np.mean([step - 1 - v for v in versions])),
@@ -1323,7 +1334,11 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                      "tokens_per_s": float(batch["attn"].sum()) / max(t3 - t0, 1e-9)}
                 last = step == cfg.train.steps
                 nonfinite_run = nonfinite_run + 1 if ts["nonfinite_updates"] else 0
-                stop = nonfinite_run >= cfg.train.max_nonfinite_steps
+                # weights out of range (after this step's update, or before it: the pi_old pass's entropy and
+                # mismatch are NaN / Inf) stop the run at once, unevaluated and not checkpointed
+                broken = ts["param_nonfinite"] or not (math.isfinite(ts["entropy"]) and
+                                                       math.isfinite(ts["mismatch_kl"]))
+                stop = nonfinite_run >= cfg.train.max_nonfinite_steps or broken
                 if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last) and not stop:
                     m.update(evaluate(cfg, task, tok, client, step))
                 with open(metrics_path, "a") as f:  # before the checkpoint: a resume from it finds this step's line
@@ -1339,6 +1354,16 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                 if ts["nonfinite_updates"]:
                     print(f"step {step}: {int(ts['nonfinite_updates'])} update(s) skipped, NaN/Inf loss or gradient "
                           f"({nonfinite_run} step(s) in a row)", flush=True)
+                if broken:
+                    newest = find_checkpoint(out, "auto")
+                    what = (f"its update left {int(ts['param_nonfinite'])} weight tensor(s) holding NaN/Inf, with a "
+                            "finite loss and gradient norm" if ts["param_nonfinite"] else
+                            f"the policy's log-probs before its update were not finite (entropy {ts['entropy']}, "
+                            f"mismatch_kl {ts['mismatch_kl']}): an earlier update broke the weights")
+                    raise SystemExit(f"stopping at step {step}: {what} (train.lr={cfg.train.lr:g}: too large?); this "
+                                     "step was not checkpointed" + (f"; the newest checkpoint is {newest.name}, which "
+                                                                    "--resume auto takes (check its steps' metrics)"
+                                                                    if newest is not None else ""))
                 if stop:
                     newest = find_checkpoint(out, "auto")
                     raise SystemExit(f"stopping: {nonfinite_run} steps in a row with NaN/Inf loss or gradients (steps "

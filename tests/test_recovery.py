@@ -3,6 +3,7 @@ bad configs and bad data. The trial harness is tests/recovery.py; its 10-trial r
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -144,6 +145,33 @@ def test_nan_loss_steps_are_skipped_and_k_in_a_row_stop_the_run(ref, tmp_path):
     assert [r["nonfinite_updates"] > 0 for r in rows] == [False, True, False, True, True]
     assert all(r["grad_norm"] == 0.0 for r in rows if r["nonfinite_updates"])
     assert complete_checkpoints(out) == [2, 4]  # no checkpoint of the stopping step
+
+
+def test_weights_an_update_breaks_stop_the_run_unsaved(tmp_path):
+    """train.lr=1e30: the first minibatch's update (finite loss and gradient) sends the weights to ~1e30, every
+    later loss is NaN and skipped, and the run went on with broken weights (dynamic sampling kept no groups, so
+    max_nonfinite_steps never fired). Now the next step's pi_old pass (entropy, mismatch NaN) stops it, before
+    its evaluation and checkpoint."""
+    out = tmp_path / "run"
+    p = launch(out, 4, ["train.lr=1e30"])
+    log = finish(p, timeout=300, ok=False)
+    assert p.returncode != 0
+    assert ("stopping at step 2: the policy's log-probs before its update were not finite (entropy nan, "
+            "mismatch_kl nan): an earlier update broke the weights (train.lr=1e+30: too large?); this step was not "
+            "checkpointed") in log, log[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["nonfinite_updates"] == 1
+    assert complete_checkpoints(out) == []  # (ckpt.every 2)
+    # an update that leaves a weight NaN (injected on rank 0 after the run's first update) stops its step at once
+    out = tmp_path / "poisoned"
+    p = launch(out, 4, env={"GRPO_FAULT": "0:update:1:nan"})
+    log = finish(p, timeout=300, ok=False)
+    said = re.search(r"stopping at step (\d+): its update left 1 weight tensor\(s\) holding NaN/Inf, with a finite "
+                     r"loss and gradient norm \(train.lr=0.001: too large\?\); this step was not checkpointed", log)
+    assert p.returncode != 0 and said, log[-3000:]
+    rows, step = metrics(out), int(said.group(1))
+    assert [r["step"] for r in rows] == list(range(1, step + 1)) and rows[-1]["param_nonfinite"] == 1
+    assert all("param_nonfinite" not in r for r in rows[:-1]) and step not in complete_checkpoints(out)
 
 
 def test_an_error_is_reported_in_the_phase_it_left():
