@@ -480,10 +480,10 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
 def moe_gemv_rows(x, ids, w1, n_shared: int, k: int | None = None) -> SlotRows:
     """The GEMV kernels' buffers for x's tokens, k routed (ids' width) + n_shared slots each: SlotRows with its
     up output h (T * kt, I) in x's dtype. ids may come later (moe_gemv_shared: None, k given)."""
-    T, _ = x.shape
+    T, D = x.shape
     k = ids.shape[1] if ids is not None else k
     kt = k + n_shared
-    y = torch.empty(T * kt, x.shape[1], dtype=torch.float32, device=x.device)
+    y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
     h = torch.empty(T * kt, w1.shape[1], dtype=x.dtype, device=x.device)
     return SlotRows(y, None if ids is None else ids.contiguous(), w1.shape[0], k, kt, x.dtype, h)
 
@@ -600,9 +600,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
             raise ValueError(f"fused_moe(rows=): summed=False (the shared slots are read after the caller joins "
                              f"their stream) and ids of shape ({T}, {rows.k}), got summed={summed}, ids "
                              f"{tuple(ids.shape)}, rows of {rows.y.shape[0] // rows.kt} tokens")
-        rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="routed",
+        return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="routed",
                          rows=rows._replace(ids=ids.contiguous()))
-        return rows
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
         rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
         return rows.summed() if summed else rows
