@@ -57,7 +57,7 @@ from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_
                               use_triton)
 from kernels.fused import POST_MIX_TOKENS
 from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
-from kernels.sample import gumbel_sample
+from kernels.sample import gumbel_sample, host_rows, to_host
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
 from model.weights import FP8_LINEAR, float_dtype, load_pretrained, stored_scale_fmt
@@ -1115,6 +1115,7 @@ class Runner:
     """The model over the paged cache: eager prefill chunks, batched decode steps (CUDA graphs per bucket)."""
 
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    HOST_OUTPUTS = ("tok", "lp", "routing", "index")  # the step outputs zero_copy writes to the host
 
     def __init__(self, model: Transformer, cache: PagedCache, cuda_graphs: bool, record_index: bool = False):
         self.model, self.cache = model, cache
@@ -1140,6 +1141,14 @@ class Runner:
         self.parity = 0  # host buffers alternate between steps, so one step can be staged while one is in flight
         # the tokens each decode step samples, by row: the next step can take its inputs from them on the device
         self.tok = torch.zeros(pow2(cache.n_slots + 1), dtype=torch.int64, device=cache.device)
+        # a graphed step writes its tokens, log-probs and per-position rows into pinned host memory itself
+        # (kernels.sample.to_host, two rows it alternates by a device-side count of replays, self.ctr), so no
+        # device-to-host copies follow the graph: on an H200 those took ~15 us between steps. On by default
+        # where the graphs run on CUDA; ENGINE_ZERO_COPY=0 (or ROCm, unmeasured there) copies after the graph.
+        self.zero_copy = self.use_graphs and use_triton(self.tok) and os.environ.get(
+            "ENGINE_ZERO_COPY", "0" if torch.version.hip else "1") != "0"
+        self.ctr = torch.zeros(2, dtype=torch.int32, device=cache.device)
+        self.replays = 0  # graph replays so far: the row of this one's host outputs is replays % 2
 
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -1263,8 +1272,11 @@ class Runner:
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)
-        draw = gumbel_sample if use_triton(out["logits"]) else sample_plain
-        out["tok"], out["lp"] = draw(out["logits"], inp[5].view(torch.float64).float(), inp[3], inp[4])
+        temps = inp[5].view(torch.float64)  # (the kernel rounds them to fp32 itself)
+        if use_triton(out["logits"]):
+            out["tok"], out["lp"] = gumbel_sample(out["logits"], temps, inp[3], inp[4])
+        else:
+            out["tok"], out["lp"] = sample_plain(out["logits"], temps.float(), inp[3], inp[4])
         self.tok[:n].copy_(out["tok"])
         return out
 
@@ -1298,18 +1310,24 @@ class Runner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], lags=None, src=None) -> dict:
         """Feed every sequence's last sampled token (see _stage for lags and src). -> device tensors of the B rows
-        (see _decode_eager); nothing waits for the device."""
+        (see _decode_eager); nothing waits for the device. A graphed step with zero_copy also gives "host": its
+        HOST_OUTPUTS as the step itself writes them into pinned host memory (read them after an event recorded
+        behind it, and before the step two after it writes them again)."""
         B = len(seqs)
         h = self._stage(seqs, lags, src)
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
+        host = {}
         if bucket is None:
             out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True))
         else:
             g = self.graphs.get(bucket) or self._capture(bucket)
             g["inp"].copy_(h[:, :bucket], non_blocking=True)
             g["graph"].replay()
+            p, self.replays = self.replays % 2, self.replays + 1
             out = g["out"]
-        return {k: v[:B] for k, v in out.items()}
+            host = {k: host_rows(t, p, out[k])[:B] for k, t in g["host"].items()}
+        res = {k: v[:B] for k, v in out.items()}
+        return {**res, "host": host} if host else res
 
     def fetch_start(self, *ts: torch.Tensor):
         """Start copying device tensors to the host (pinned buffers of this step's parity, one event). -> a handle
@@ -1318,6 +1336,9 @@ class Runner:
             return [t.cpu().numpy() for t in ts], None
         hs = []
         for i, t in enumerate(ts):
+            if t.device.type == "cpu":  # already on the host (a graphed step's own outputs: Runner.decode's "host")
+                hs.append(t)
+                continue
             key = (i, t.dtype, tuple(t.shape[1:]), self.parity)
             h = self.pinned.get(key)
             if h is None or h.shape[0] < t.shape[0]:
@@ -1345,13 +1366,19 @@ class Runner:
         c, dev = self.cache, self.cache.device
         inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
-        self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
+        warm = self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
+        names = [k for k in self.HOST_OUTPUTS if k in warm] if self.zero_copy else []
+        host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
+        if host:  # (compiles to_host, on a count of its own)
+            to_host(torch.zeros_like(self.ctr), [warm[k] for k in names], [host[k] for k in names])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._decode_eager(inp)
+            if host:
+                to_host(self.ctr, [out[k] for k in names], [host[k] for k in names])
         self.pool = graph.pool()
-        self.graphs[bucket] = g = {"inp": inp, "graph": graph, "out": out}
+        self.graphs[bucket] = g = {"inp": inp, "graph": graph, "out": out, "host": host}
         return g
 
 
@@ -1560,7 +1587,13 @@ class Engine:
     def _launch(self, seqs: list[Sequence], lags: list[int], src):
         out = self.runner.decode(seqs, lags, src)
         self.stats["decode_steps"] += 1
-        return seqs, self.runner.fetch_start(out["tok"], out["lp"], *(out[k] for k in self.records))
+        return seqs, self.runner.fetch_start(*self._outputs(out, ("tok", "lp", *self.records)))
+
+    @staticmethod
+    def _outputs(out: dict, names) -> list[torch.Tensor]:
+        """A decode step's outputs `names`: where the step wrote them to the host itself, those."""
+        host = out.get("host", {})
+        return [host.get(k, out[k]) for k in names]
 
     def _collect(self, step, running: list[Sequence]):
         """Read a launched step's tokens into its sequences that are still running (one may have ended on the
@@ -1627,9 +1660,9 @@ class Engine:
         seqs = list(running)
         out = self.runner.decode(seqs)
         self.stats["decode_steps"] += 1
-        records = [out[k] for k in self.records]
+        records = self._outputs(out, self.records)
         if not any(s.params.filtered for s in seqs):  # sampled inside the step
-            tok, lp, *records = self.runner.fetch(out["tok"], out["lp"], *records)
+            tok, lp, *records = self.runner.fetch(*self._outputs(out, ("tok", "lp")), *records)
         else:
             records = self.runner.fetch(*records)
             tok, lp = (t.cpu().numpy() for t in self._draw(seqs, out["logits"]))

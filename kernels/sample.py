@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import pdl, pdl_wait, pow2, triton
+from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -38,7 +38,7 @@ if triton is not None:
                             BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
         pdl_wait(PDL)
         b, sp = tl.program_id(0), tl.program_id(1)
-        t = tl.load(TEMP + b)
+        t = tl.load(TEMP + b).to(tl.float32)  # (fp64 temperatures rounded here as torch's .float() rounds them)
         greedy = t == 0
         t = tl.where(greedy, 1.0, t)
         seed = tl.load(SEEDS + b)
@@ -115,6 +115,7 @@ def _slices(B: int, V: int, block: int, device) -> int:
 
 def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   block: int = 2048, split: int | None = None):
+    """temps fp32 or fp64 (rounded to fp32 in the kernel, as .float() would: no conversion launch)."""
     B, V = logits.shape
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and V < 2 ** 24
     split = split or _slices(B, V, block, logits.device)
@@ -124,8 +125,69 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
         logits = logits.contiguous()
-        _sample_part_kernel[(B, split)](logits, temps.float().contiguous(), seeds, steps, part, V, logits.stride(0),
-                                        SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
+        temps = (temps if temps.dtype == torch.float64 else temps.float()).contiguous()
+        _sample_part_kernel[(B, split)](logits, temps, seeds, steps, part, V, logits.stride(0), SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
                                         num_warps=8, **pdl(logits))
         _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), **pdl(part))
     return tok, lp
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a graphed decode step's outputs straight into pinned host memory
+
+if triton is not None:
+    @triton.jit
+    def _to_host_part(S, H, N, p, r):
+        tl.store(H + p * N + r, tl.load(S + r, mask=r < N), mask=r < N)
+
+    @triton.jit
+    def _to_host_kernel(CTR, S0, H0, N0, S1, H1, N1, S2, H2, N2, S3, H3, N3, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """Program b: bytes [b * BLOCK, (b + 1) * BLOCK) of each device byte array Si (Ni bytes) into row CTR[0] % 2
+        of its pinned host bytes Hi (2, Ni). The last program to finish (a ticket in CTR[1]) counts the call in
+        CTR[0] and puts the ticket back: every program read the row before."""
+        pdl_wait(PDL)
+        p = (tl.load(CTR) & 1).to(tl.int64)
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        _to_host_part(S0, H0, N0, p, r)
+        _to_host_part(S1, H1, N1, p, r)
+        _to_host_part(S2, H2, N2, p, r)
+        _to_host_part(S3, H3, N3, p, r)
+        tl.debug_barrier()  # every thread has read CTR[0] before the ticket is taken
+        if tl.atomic_add(CTR + 1, 1) == tl.num_programs(0) - 1:  # acq_rel
+            tl.store(CTR + 1, 0)
+            tl.atomic_add(CTR, 1)
+
+
+TO_HOST_BLOCK = 4096  # bytes a program copies from each array
+
+
+def to_host(ctr: torch.Tensor, srcs: list[torch.Tensor], hosts: list[torch.Tensor]):
+    """Copy each device tensor srcs[i] (up to 4, contiguous) into row ctr[0] % 2 of hosts[i], pinned host bytes
+    (2, srcs[i].nbytes) (host_rows gives it back typed), then add 1 to ctr[0] (ctr: (2,) int32 on the device,
+    [calls, 0]): one launch that a CUDA graph can hold, the device writing the host memory itself, so the step
+    needs no device-to-host copy after it. The caller keeps its own count of calls for the row to read, and reads
+    a row after an event recorded behind the launch, before the call two later writes it again. Without Triton,
+    the same copies through torch."""
+    assert len(srcs) == len(hosts) <= 4
+    flat = [s.reshape(-1).view(torch.uint8) for s in srcs]
+    for f, h in zip(flat, hosts):
+        assert h.shape == (2, f.numel()) and h.dtype == torch.uint8, f"to_host: host bytes {tuple(h.shape)}"
+    if not use_triton(ctr):
+        p = int(ctr[0]) & 1
+        for f, h in zip(flat, hosts):
+            h[p].copy_(f)
+        ctr[0] += 1
+        return
+    most = max([f.numel() for f in flat] + [1])
+    args = []
+    for i in range(4):
+        args += [flat[i], hosts[i], flat[i].numel()] if i < len(flat) else [ctr, ctr, 0]
+    _to_host_kernel[(triton.cdiv(most, TO_HOST_BLOCK),)](ctr, *args, BLOCK=TO_HOST_BLOCK, num_warps=4, **pdl(ctr))
+
+
+def host_rows(host: torch.Tensor, p: int, like: torch.Tensor) -> torch.Tensor:
+    """Row p of to_host's host bytes for a source like `like`, typed and shaped as it."""
+    if not like.numel():  # (a (2, 0) tensor's second row may sit at an offset no dtype divides)
+        return torch.empty(like.shape, dtype=like.dtype)
+    return host[p].view(like.dtype).view(like.shape)

@@ -242,3 +242,28 @@ def combine_case(device, N: int, k: int, D: int, dtype=torch.float32, seed: int 
     ins = [torch.randn(N * k, D, generator=g).to(device, dtype), torch.rand(N, k, generator=g).to(device)]
     return grad_case(lambda ys, w: combine_rows(ys, inverse(order), w),
                      lambda ys, w: _combine(ys.float(), order, w), ins, seed)
+
+
+def to_host_case(device) -> bool:
+    """kernels.sample.to_host three times over (int64, fp32, uint8 and an empty source): each call's copies land in
+    row calls % 2 of the host bytes (pinned where the device is a GPU), the other row keeps the call before's, the
+    count reaches 3 and the ticket is back to 0. -> whether all of that held."""
+    from kernels.sample import host_rows, to_host
+    pin = torch.device(device).type == "cuda"
+    g = torch.Generator().manual_seed(0)
+    ctr = torch.zeros(2, dtype=torch.int32, device=device)
+    like = [torch.zeros(5, dtype=torch.int64), torch.zeros(5), torch.zeros(5, 1500, 2, dtype=torch.uint8),
+            torch.zeros(0)]
+    hosts = [torch.zeros(2, t.nbytes, dtype=torch.uint8, pin_memory=pin) for t in like]
+    sent, ok = [], True
+    for call in range(3):
+        srcs = [torch.randint(-2 ** 40, 2 ** 40, (5,), generator=g), torch.randn(5, generator=g),
+                torch.randint(0, 256, (5, 1500, 2), generator=g).to(torch.uint8), torch.zeros(0)]
+        to_host(ctr, [s.to(device) for s in srcs], hosts)
+        if pin:
+            torch.cuda.synchronize()
+        sent.append(srcs)
+        for back, row in ((0, call % 2), (1, (call - 1) % 2)):
+            if call - back >= 0:
+                ok &= all(torch.equal(host_rows(h, row, t), s) for h, t, s in zip(hosts, like, sent[call - back]))
+    return ok and ctr.tolist() == [3, 0]

@@ -528,6 +528,13 @@ def test_gumbel_sample_kernel(B, dtype):
     assert bad == 0 and dlp < 1e-4, (bad, dlp)
 
 
+def test_to_host_kernel():
+    """The decode step's outputs written by the device into pinned host rows it alternates (kernels.sample.to_host:
+    three calls, a 15 KB source over several programs, the ticket back to 0)."""
+    from tests.kernel_cases import to_host_case
+    assert to_host_case("cuda")
+
+
 def test_engine_on_small_dims_turns_graphs_off():
     """configs/tiny.yaml's dims (hidden 64, experts 32 wide) on a GPU: the experts run on fused_moe's torch twin,
     which a CUDA graph cannot capture (it read which experts were hit on the host: the capture failed with
@@ -583,7 +590,14 @@ def test_engine_graphs_match_eager_and_simple():
             mp.setenv("ENGINE_SIDE_STREAM", "0")
             outs["one stream"] = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec).generate(prompts,
                                                                                                           sp)
-        for other in ("eager", "no pdl", "one stream"):  # the same kernels: bit-identical
+        # and with the step's outputs copied to the host after it (they are the step's own writes to pinned
+        # memory by default: Runner.zero_copy)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ENGINE_ZERO_COPY", "0")
+            eng = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec)
+            assert not eng.runner.zero_copy
+            outs["copies"] = eng.generate(prompts, sp)
+        for other in ("eager", "no pdl", "one stream", "copies"):  # the same kernels: bit-identical
             for a, b in zip(outs["graphs"], outs[other]):
                 assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, other
                 assert torch.equal(a.index_entries, b.index_entries), other

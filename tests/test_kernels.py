@@ -428,8 +428,17 @@ INTERPRETED = textwrap.dedent("""
                      (4, 3000, torch.bfloat16)):
         bad, dlp = sample_case("cpu", B, V, dtype=dt)
         assert bad == 0 and dlp < 1e-4, (B, V, dt, bad, dlp)
+    from tests.kernel_cases import to_host_case
+    assert to_host_case("cpu")
     print("ok")
 """)
+
+
+def test_to_host_alternates_rows_and_counts():
+    """The decode step's zero-copy outputs (kernels.sample.to_host) through the torch path: rows alternate by the
+    count, the count advances (the kernel: under the interpreter below and on GPUs)."""
+    from tests.kernel_cases import to_host_case
+    assert to_host_case("cpu")
 
 
 def test_triton_kernels_under_the_interpreter():
