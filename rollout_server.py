@@ -323,7 +323,7 @@ class EngineExperts(nn.Module):
     def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None):
         super().__init__()
         self.group, size, rank = ep if ep is not None else (None, 1, 0)
-        self.n_local = ex.n_local // size
+        self.n_local, self.n_total = ex.n_local // size, ex.n_local
         self.expert_offset, self.limit = rank * self.n_local, ex.limit
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
         self.n_shared = 0
@@ -409,6 +409,9 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     if isinstance(model_or_path, (str, Path)):
         model = load_pretrained(model_or_path, device, dtype, progress=progress)
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
+    elif not isinstance(model_or_path, Transformer):
+        raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
+                        f"{type(model_or_path).__name__}")
     else:
         model = copy.deepcopy(model_or_path).to(device).set_dtype(dtype)
         model.reset_buffers()
@@ -456,18 +459,25 @@ def weight_target(model: Transformer, name: str, t: torch.Tensor):
     base = name[: -len(FP8_SCALE)] if scale else name
     mod_name, _, leaf = base.rpartition(".")
     mod = mods.get(mod_name)
+    def same_shape(want):  # (copy_ would broadcast a smaller tensor over the model's)
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the rollout model's is "
+                             f"{tuple(want)}")
     if isinstance(mod, EngineExperts):
-        t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
         dst = mod.routed("s" + leaf[1] if scale else leaf)
+        same_shape((mod.n_total, *dst.shape[1:]))  # the sender's stack: every rank's experts
+        t = t[mod.expert_offset:mod.expert_offset + mod.n_local]
         if scale or (t.dtype == dst.dtype and mod.fp8 is not None):
             return dst, t
         return None, lambda: mod.load_(leaf, t)
     if isinstance(mod, FP8Linear) and leaf == "weight":
         dst = mod.scale if scale else mod.qweight
+        same_shape(dst.shape)
         if scale or t.dtype == dst.dtype:
             return dst, t
         return None, lambda: mod.load_(t)
     if name in state:
+        same_shape(state[name].shape)
         return state[name], t
     raise KeyError(f"update_weights: '{name}' is not a tensor of the rollout model")
 
@@ -684,8 +694,9 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
     return torch.cat(outs, 1)
 
 
-def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: int | None) -> str | None:
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos or eos is None else {eos})
+def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: tuple = ()) -> str | None:
+    """eos: the model's end-of-sequence ids (ModelConfig.eos_ids)."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
     if tok in stops:
         return "stop"
     return "length" if n_tokens >= params.max_tokens else None
@@ -704,18 +715,27 @@ def outside(ids, vocab: int) -> int | None:
     return next((t for t in ids if not 0 <= t < vocab), None)
 
 
-def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def check_prompts(prompts, params, vocab: int, first_index=0) -> tuple[list[list[int]], list[SamplingParams]]:
     """generate's arguments checked, a bad one named: -> (the prompts as lists of Python ints, one SamplingParams
     a prompt). Prompts: a list (or 2-D tensor / array) of token id sequences."""
+    if isinstance(first_index, bool) or not isinstance(first_index, numbers.Integral) or first_index < 0:
+        raise TypeError(f"first_index={first_index!r}: an integer >= 0 (the index of the first prompt)")
     prompts = list(prompts)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    params = list(params)
+    elif isinstance(params, (list, tuple)):
+        params = list(params)
+    else:
+        raise TypeError(f"sampling parameters: {params!r} is neither a SamplingParams nor a list of them")
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
     for i, sp in enumerate(params):
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling parameters {i}: {sp!r} is not a SamplingParams")
+        try:  # again: a field set after construction skipped the checks
+            sp.__post_init__()
+        except ValueError as e:
+            raise ValueError(f"sampling parameters {i}: {e}") from None
         bad = outside(sp.stop_token_ids, vocab)
         if bad is not None:  # (it could never be sampled: a typo, or another model's vocabulary)
             raise ValueError(f"sampling parameters {i}: stop token id {bad} outside [0, {vocab})")
@@ -727,6 +747,8 @@ def check_prompts(prompts, params, vocab: int) -> tuple[list[list[int]], list[Sa
         ids = []
         for j, t in enumerate(p):
             try:
+                if isinstance(t, (bool, np.bool_)) or getattr(t, "dtype", None) == torch.bool:
+                    raise TypeError
                 ids.append(operator.index(t))  # Python / numpy / 0-d tensor integers
             except TypeError:
                 raise TypeError(f"prompt {i}, position {j}: token id {t!r} is not an integer") from None
@@ -817,12 +839,12 @@ class SimpleEngine:
         for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
             s.tokens.append(t)
             s.logprobs.append(l)
-            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
+            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_ids)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  first_index: int = 0) -> list[Output]:
         """first_index: the index of prompts[0] in a larger request (Engine.generate)."""
-        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size)
+        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size, first_index)
         seqs = [SimpleSeq(first_index + i, p, params[i], self.model, self.device, self.dtype)
                 for i, p in enumerate(prompts)]
         same: dict[tuple, list[SimpleSeq]] = {}
@@ -911,6 +933,8 @@ class PagedCache:
     block pools (block 0 is scratch): entries[l] (n_blocks, BE, hd) compressed entries (CSA and HCA have their
         own pools and block tables, since they fill at different rates); ikeys[l] the indexer's keys (fp32).
     """
+
+    POOLS = ("csa", "hca")  # the block pools (kinds), as num_blocks names them
 
     def __init__(self, model: Transformer, n_slots: int, n_blocks: dict, block_entries: int, max_len: int, device,
                  dtype):
@@ -1403,6 +1427,9 @@ class Engine:
                  {} if num_blocks is None else {"num_blocks": num_blocks})
         check_sizes(max_seqs=max_seqs, max_model_len=max_model_len, block_entries=block_entries,
                     max_batch_tokens=max_batch_tokens, **pools)
+        if isinstance(num_blocks, dict) and set(num_blocks) != set(PagedCache.POOLS):
+            raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} (an integer, or one a pool: keys "
+                             f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1432,7 +1459,7 @@ class Engine:
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         cfg = self.cfg
         full = {k: self.max_seqs * max(1, -(-(self.max_model_len // r) // BE)) + 1
-                for k, r in (("csa", cfg.csa_ratio), ("hca", cfg.hca_ratio))}
+                for k, r in zip(PagedCache.POOLS, (cfg.csa_ratio, cfg.hca_ratio))}
         if num_blocks is not None:
             return dict(num_blocks) if isinstance(num_blocks, dict) else {k: int(num_blocks) for k in full}
         if self.device.type != "cuda":
@@ -1456,7 +1483,7 @@ class Engine:
                  first_index: int = 0) -> list[Output]:
         """first_index: the index of prompts[0] in a larger request sent in pieces (the CLI's chunks). Sequence i
         samples with (its seed, first_index + i), so the pieces give what one call would."""
-        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size)
+        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size, first_index)
         pool = {k: len(a.ref) - 1 for k, a in self.cache.alloc.items()}  # (block 0 is scratch)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:
@@ -1682,7 +1709,7 @@ class Engine:
         for s, t, l in zip(seqs, toks, lps):
             s.tokens.append(t)
             s.logprobs.append(l)
-            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_token_id)
+            s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_ids)
             if s.finish is not None:
                 if s in running:
                     running.remove(s)
@@ -2382,6 +2409,7 @@ def main(argv=None):
     from tqdm import tqdm
     from model import ModelConfig, build_model
     from model.config import ConfigError, load_hf_config, load_yaml
+    from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
     for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len"):
         if getattr(args, name) < 1:
@@ -2413,7 +2441,7 @@ def main(argv=None):
             cfg = ModelConfig.from_dict(d["model"], f"{args.model}: model")
         else:
             cfg = load_hf_config(args.model)
-    except (OSError, ConfigError) as e:
+    except (OSError, ConfigError, WeightError) as e:
         ap.error(f"--model: {e}")
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -2440,7 +2468,10 @@ def main(argv=None):
               fp8_scale_fmt=args.fp8_scale_fmt)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
-    engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
+    try:
+        engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
+    except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
+        raise SystemExit(f"error: --model {args.model}: {e}") from None
     if args.bench:
         g = torch.Generator().manual_seed(args.seed)
         prompts, warm = torch.randint(0, engine.cfg.vocab_size, (2, args.batch, args.prompt_len), generator=g).tolist()

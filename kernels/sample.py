@@ -126,7 +126,8 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     if B:
         logits = logits.contiguous()
         temps = (temps if temps.dtype == torch.float64 else temps.float()).contiguous()
-        _sample_part_kernel[(B, split)](logits, temps, seeds, steps, part, V, logits.stride(0), SPLIT=split, CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
+        _sample_part_kernel[(B, split)](logits, temps, seeds, steps, part, V, logits.stride(0), SPLIT=split,
+                                        CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
                                         num_warps=8, **pdl(logits))
         _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), **pdl(part))
     return tok, lp

@@ -38,6 +38,10 @@ def _default_yarn() -> dict:
             "beta_fast": 32, "beta_slow": 1}
 
 
+def _token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _flash_compress_ratios() -> list[int]:
     return [0, 0] + [4, 128] * 20 + [4]
 
@@ -81,7 +85,8 @@ class ModelConfig:
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
-    eos_token_id: int | None = 1
+    # one id, or a list of ids that each end a sequence (a config.json may give several)
+    eos_token_id: int | list | None = field(default=1, metadata={"ids": "a list of token ids"})
     num_nextn_predict_layers: int = 1    # MTP layers in the release; not instantiated here
 
     def __post_init__(self):
@@ -98,6 +103,12 @@ class ModelConfig:
 
     def is_hash_layer(self, i: int) -> bool:
         return i < self.num_hash_layers
+
+    @property
+    def eos_ids(self) -> tuple:
+        """The token ids that end a sequence (eos_token_id as a tuple; empty where it is null)."""
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -127,6 +138,15 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 fail(k, f"must be a positive number, got {v!r}")
             setattr(self, k, float(v))
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)) and len(eos) == 1:
+            eos = self.eos_token_id = eos[0]
+        if eos is not None and not (isinstance(eos, (list, tuple)) and eos and all(_token_id(i) for i in eos)
+                                    or _token_id(eos)):
+            fail("eos_token_id", f"must be a token id (an integer >= 0), a non-empty list of them or null, "
+                                 f"got {eos!r}")
+        if isinstance(eos, tuple):
+            self.eos_token_id = list(eos)
         if self.qk_rope_head_dim > self.head_dim or self.qk_rope_head_dim % 2:
             fail("qk_rope_head_dim", f"must be even and <= head_dim ({self.head_dim}), got {self.qk_rope_head_dim}")
         if self.qk_rope_head_dim > self.index_head_dim:
@@ -227,8 +247,8 @@ class ModelConfig:
         # (transformers' DeepseekV4 routers ignore it; the YAML key stays a research switch)
         if g.get("hidden_act", "silu") != "silu":  # transformers applies it in every expert; ours are SwiGLU
             bad("hidden_act", "only 'silu' (DeepSeek-V4's SwiGLU experts)", g["hidden_act"])
-        if isinstance(out.get("eos_token_id"), list):
-            out["eos_token_id"] = out["eos_token_id"][0] if out["eos_token_id"] else None
+        if out.get("eos_token_id") == []:
+            out["eos_token_id"] = None
         n = whole("num_hidden_layers", out.get("num_hidden_layers", cls.num_hidden_layers))
         head_dim = whole("head_dim", out.get("head_dim", cls.head_dim))
         if "qk_rope_head_dim" not in out:  # transformers: head_dim x partial_rotary_factor (default 64 / 512)
@@ -522,6 +542,8 @@ def build_section(cls, d: dict | None, where: str):
                 v = _BOOL_WORDS[v.lower()]
             if want is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
+            elif "ids" in fields[k].metadata and isinstance(v, list):
+                pass  # (validate checks the ids)
             elif want is bool and not isinstance(v, bool) or want in (int, str) and type(v) is not want:
                 raise ConfigError(f"{_at(where, k)}: expected {want.__name__}, got {v!r}")
             elif want is float and not isinstance(v, float):

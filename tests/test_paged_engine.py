@@ -1,4 +1,6 @@
 """The paged engine against its slow twin (SimpleEngine) and the model's full-sequence forward."""
+import re
+
 import pytest
 import torch
 
@@ -285,6 +287,31 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
         rollout_server.main(["--model", "configs/tiny.yaml", *ok])
 
 
+def test_cli_names_a_broken_checkpoint_without_a_traceback(model, tmp_path, capsys):
+    """A checkpoint whose config reads but whose tensors do not (a shard the index lists is missing; a tensor of
+    another shape than config.json's) stops the CLI with the loader's message, no traceback, and no --out."""
+    import json
+    import rollout_server
+    from model import save_pretrained
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    src.write_text(json.dumps([3, 4, 5]) + "\n")
+    argv = ["--prompts", str(src), "--out", str(out), "--max-model-len", "64", "--max-tokens", "4"]
+    missing, shape = tmp_path / "missing", tmp_path / "shape"
+    for d in (missing, shape):
+        save_pretrained(model, d, dtype=torch.float32, max_shard_bytes=1 << 16) if d is missing else \
+            save_pretrained(model, d, dtype=torch.float32)
+    next(missing.glob("*.safetensors")).unlink()
+    c = json.loads((shape / "config.json").read_text())
+    c["vocab_size"] += 8
+    (shape / "config.json").write_text(json.dumps(c))
+    for d, msg in ((missing, "does not exist"), (shape, "tensor 'embed.weight'")):
+        with pytest.raises(SystemExit) as e:
+            rollout_server.main(["--model", str(d), *argv])
+        err = f"{e.value.code} {capsys.readouterr().err}"
+        assert e.value.code != 0 and "--model" in err and msg in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
 def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypatch):
     """Text prompts (--tokenizer): a line whose text holds U+2028 (str.splitlines split it: 'not JSON'), a non-string
     or empty prompt, or both prompt keys are refused naming the line (null was tokenized as the text 'None'); a
@@ -424,6 +451,78 @@ def test_weight_updates_reach_the_paged_engine(model):
     a, b = eng.generate(p, GREEDY), fresh.generate(p, GREEDY)
     for x, y in zip(a, b):
         _same(x, y)
+
+
+def test_weight_updates_of_the_wrong_shape_are_refused(model):
+    """A tensor that torch's copy_ would broadcast over the model's (or that does not fit it) is refused, named,
+    before it lands (it used to zero the embedding from a (64,) row)."""
+    for fp8 in (False, True):
+        eng = Engine(model, fp8=fp8, dtype=torch.float32, device="cpu", max_model_len=64)
+        state = model.state_dict()
+        before = eng.generate(_prompts([5], 1), GREEDY)[0].token_ids
+        for name, t in (("embed.weight", torch.zeros(state["embed.weight"].shape[1])),
+                        ("layers.1.ffn.experts.w1", torch.ones(1, *state["layers.1.ffn.experts.w1"].shape[1:])),
+                        ("layers.0.attn.wq_a.weight", torch.ones(1, state["layers.0.attn.wq_a.weight"].shape[1])),
+                        ("norm.weight", torch.tensor(1.0))):
+            with pytest.raises(ValueError, match=re.escape(f"the rollout model's is {tuple(state[name].shape)}")):
+                eng.update_weights([(name, t)])
+        assert eng.generate(_prompts([5], 1), GREEDY)[0].token_ids == before
+
+
+def test_generate_checks_its_arguments_again(model):
+    """Sampling parameters changed after construction are checked again; other bad arguments are named."""
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64)
+    p = _prompts([5], 1)
+    for field, bad in (("temperature", float("nan")), ("top_p", 0.0), ("max_tokens", 0), ("top_k", -3),
+                       ("seed", 1.5)):
+        sp = SamplingParams(temperature=1.0, max_tokens=5, seed=1)
+        setattr(sp, field, bad)
+        with pytest.raises(ValueError, match=f"sampling parameters 0: invalid sampling parameters: {field}="):
+            eng.generate(p, sp)
+    with pytest.raises(TypeError, match="neither a SamplingParams nor a list"):
+        eng.generate(p, {"temperature": 0})
+    with pytest.raises(TypeError, match="neither a SamplingParams nor a list"):
+        eng.generate(p, None)
+    with pytest.raises(TypeError, match="position 1: token id True"):
+        eng.generate([[3, True, 4]], GREEDY)
+    for fi in (2.5, None, -1, True):
+        with pytest.raises(TypeError, match="first_index"):
+            eng.generate(p, GREEDY, first_index=fi)
+    for bad in (5, None):
+        with pytest.raises(TypeError, match="model_or_path: a checkpoint directory"):
+            Engine(bad, device="cpu")
+    for nb in ({"csa": 8}, {"csa": 8, "hca": 8, "foo": 4}):
+        with pytest.raises(ValueError, match="num_blocks=.*keys 'csa', 'hca'"):
+            Engine(model, device="cpu", num_blocks=nb)
+
+
+def test_every_eos_id_of_a_list_ends_a_sequence(model, tmp_path):
+    """A config.json's eos_token_id may list several ids (transformers stops on each): every one ends a sequence,
+    and the list survives a save and a load."""
+    from model import save_pretrained
+    from model.config import ConfigError, load_hf_config
+    free = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64).generate(
+        _prompts([9], 4), GREEDY)[0].token_ids
+    j = next(j for j in range(1, len(free)) if free[j] not in free[:j])  # the second id of the list stops here
+    other = next(t for t in range(3, 32) if t not in free[:j + 1])  # the first: never sampled before that
+    save_pretrained(model, tmp_path, dtype=torch.float32)
+    import json
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["eos_token_id"] = [other, free[j]]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    cfg = load_hf_config(tmp_path)
+    assert cfg.eos_ids == tuple(c["eos_token_id"])
+    eng = Engine(str(tmp_path), fp8=False, dtype=torch.float32, max_model_len=64)
+    out = eng.generate(_prompts([9], 4), SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.token_ids == free[:j + 1] and out.finish_reason == "stop"
+    for bad in ([], [1, -2], ["a"], 1.5, True):
+        c["eos_token_id"] = bad
+        (tmp_path / "config.json").write_text(json.dumps(c))
+        if bad == []:
+            assert load_hf_config(tmp_path).eos_ids == ()
+            continue
+        with pytest.raises(ConfigError, match="eos_token_id"):
+            load_hf_config(tmp_path)
 
 
 @pytest.mark.parametrize("send_dtype", [torch.float32, torch.bfloat16])
