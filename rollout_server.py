@@ -1171,7 +1171,7 @@ class Runner:
         # where the graphs run on CUDA; ENGINE_ZERO_COPY=0 (or ROCm, unmeasured there) copies after the graph.
         self.zero_copy = self.use_graphs and use_triton(self.tok) and os.environ.get(
             "ENGINE_ZERO_COPY", "0" if torch.version.hip else "1") != "0"
-        self.ctr = torch.zeros(2, dtype=torch.int32, device=cache.device)
+        self.ctr = torch.zeros(2, dtype=torch.int32, device=cache.device) if self.zero_copy else None
         self.replays = 0  # graph replays so far: the row of this one's host outputs is replays % 2
 
     # -- prefill ----------------------------------------------------------------------------------------

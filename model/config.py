@@ -139,14 +139,12 @@ class ModelConfig:
                 fail(k, f"must be a positive number, got {v!r}")
             setattr(self, k, float(v))
         eos = self.eos_token_id
-        if isinstance(eos, (list, tuple)) and len(eos) == 1:
-            eos = self.eos_token_id = eos[0]
-        if eos is not None and not (isinstance(eos, (list, tuple)) and eos and all(_token_id(i) for i in eos)
-                                    or _token_id(eos)):
+        ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if eos is not None and not (ids and all(_token_id(i) for i in ids)):
             fail("eos_token_id", f"must be a token id (an integer >= 0), a non-empty list of them or null, "
                                  f"got {eos!r}")
-        if isinstance(eos, tuple):
-            self.eos_token_id = list(eos)
+        if isinstance(eos, (list, tuple)):  # one id as itself, several as a list
+            self.eos_token_id = ids[0] if len(ids) == 1 else ids
         if self.qk_rope_head_dim > self.head_dim or self.qk_rope_head_dim % 2:
             fail("qk_rope_head_dim", f"must be even and <= head_dim ({self.head_dim}), got {self.qk_rope_head_dim}")
         if self.qk_rope_head_dim > self.index_head_dim:
