@@ -58,6 +58,7 @@ from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_
 from kernels.fused import POST_MIX_TOKENS
 from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, to_host
+from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
 from model.weights import FP8_LINEAR, float_dtype, load_pretrained, stored_scale_fmt
@@ -540,16 +541,21 @@ class SeqState:
         self.window, self.comp, self.index = window, comp, index
 
 
-def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp8=None, side=None):
+def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attention, last=None, fp8=None, side=None,
+               pre=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
     tables, hq) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are)
     of the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
     mHC's mix partials (hc_post_mix). fp8: the FP8 engine's dtype: past GEMV_ROWS tokens (the GEMV kernels
     quantize their rows themselves) the mHC pre kernels also give their rows quantized, hq (or None), for the
     attention's FP8 input GEMM and the experts, instead of an act_quant launch each. side (a CUDA stream): each
-    mHC pre makes its post and comb there, beside the sublayer; joined before its mHC post."""
-    tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
-    x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
+    mHC pre makes its post and comb there, beside the sublayer; joined before its mHC post. pre: (RoPE tables,
+    embedded streams) already made (the decode step's kernels.step.step_inputs)."""
+    if pre is None:
+        tables = {"main": model.rope_main(pos), "compress": model.rope_compress(pos)}
+        x = model.embed(ids)[None].unsqueeze(2).expand(-1, -1, model.cfg.hc_mult, -1).contiguous()
+    else:
+        tables, x = pre
     fp8 = fp8 if ids.numel() > GEMV_ROWS else None
 
     def hc(blk, site, x, part):  # -> (h, post, comb, hq)
@@ -612,7 +618,8 @@ def projections(attn, h, pos, tables, hq=None):
     cos, sin = tables[attn.rope_kind]
     ins = attn.input_gemms(h, hq) if hasattr(attn, "input_gemms") else {}
     q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
-    pr = {"q": attn.q_heads(q_res, cos, sin, qq), "kv": attn.project_kv(h, cos, sin, ins.get("wkv"))[0]}
+    q, kv = attn.q_and_kv(q_res, h, cos, sin, qq, ins.get("wkv"))
+    pr = {"q": q, "kv": kv[0]}
 
     def comp(c, key):
         return c.biased(*comp_inputs(c, key, h, ins), pos)
@@ -1173,6 +1180,13 @@ class Runner:
             "ENGINE_ZERO_COPY", "0" if torch.version.hip else "1") != "0"
         self.ctr = torch.zeros(2, dtype=torch.int32, device=cache.device) if self.zero_copy else None
         self.replays = 0  # graph replays so far: the row of this one's host outputs is replays % 2
+        # step_inputs' RoPE offsets (1: the compress table at the positions; each compress ratio r: at each
+        # window's first position, pos + 1 - r) and sliding windows
+        attns = [blk.attn for blk in model.layers]
+        comps = [a.compressor for a in attns if a.compressor is not None]
+        comps += [a.indexer.compressor for a in attns if a.indexer is not None]
+        self.offsets = tuple(sorted({1} | {cp.ratio for cp in comps}))
+        self.windows = tuple(sorted({a.window for a in attns}))
 
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -1205,12 +1219,10 @@ class Runner:
     def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
         """Write each sequence's new projection row (kv, gate as the compressor's linears give them); pool the
         window for sequences that complete one.
-        wrope: the compress RoPE tables at each window's first position, by ratio (computed once a step)."""
+        wrope: the compress RoPE tables at each window's first position, by ratio (made once a step)."""
         c = self.cache
         args = (kv, gate, pos, slots, table, getattr(c, prefix + "buf_kv")[li], getattr(c, prefix + "buf_gate")[li],
                 getattr(c, prefix + "prev_kv").get(li), getattr(c, prefix + "prev_gate").get(li), pool)
-        if comp.ratio not in wrope:
-            wrope[comp.ratio] = self.model.rope_compress((pos + 1 - comp.ratio).clamp(min=0))
         if use_triton(kv):
             return compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
@@ -1219,9 +1231,7 @@ class Runner:
         """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio). hq:
         h's rows quantized (run_layers'). rec: an IndexRecorder for the indexer's chosen entries."""
         c = self.cache
-        key = ("window", attn.window)
-        if key not in wrope:  # the window-cache row of each sequence's new key
-            wrope[key] = slots * attn.window + pos % attn.window
+        key = ("window", attn.window)  # (the window-cache row of each sequence's new key)
         # Two chains where there is a side stream (a compressed-attention layer on a GPU): there, the compressors'
         # steps (in the FP8 engine also their BF16 input GEMM, outside the FP8 group; the BF16 engine's one input
         # GEMM holds q's and kv's linears too and runs here first), then (after the q norm) the indexer's query,
@@ -1261,8 +1271,8 @@ class Runner:
                 sel = index_topk(sc, min(attn.indexer.topk, S), count)
                 if rec is not None:
                     rec.seq(li, attn).append(index_record(sel, attn.indexer.topk))
-        q = attn.q_heads(q_res, cos, sin, qq)[0]
-        attn.project_kv(h, cos, sin, ins.get("wkv"), (c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))
+        q = attn.q_and_kv(q_res, h, cos, sin, qq, ins.get("wkv"),
+                          (c.win[li].view(-1, c.win[li].shape[-1]), wrope[key]))[0][0]
         if side is not None:
             here.wait_stream(side)
         # the kernel rotates its output back (project_out's inverse RoPE); with hq (the FP8 engine past GEMV_ROWS
@@ -1282,17 +1292,23 @@ class Runner:
         -> logits (n, V) in the head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L,
         k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k /
         top-p (kernels.sample on GPUs, sample_plain elsewhere)."""
-        n = inp.shape[1]
-        ids = torch.where(inp[6] >= 0, self.tok[inp[6].clamp(min=0)], inp[0])
+        n, m, c = inp.shape[1], self.model, self.cache
         pos, slots = inp[1], inp[2]
-        tabs = {k: t[slots] for k, t in self.cache.tables.items()}
-        wrope = {}
+        # the step's ids, embedded streams, RoPE rows (at the positions; at each compress window's first position,
+        # by ratio), window-cache rows and block-table rows: one launch on GPUs
+        ids, x, ropes, wrows, tabs = step_inputs(inp, self.tok, m.embed.weight, m.cfg.hc_mult, m.rope_main.table,
+                                                 m.rope_compress.table, self.offsets, self.windows,
+                                                 list(c.tables.values()))
+        tabs = dict(zip(c.tables, tabs))
+        wrope = {("window", w): wrows[j] for j, w in enumerate(self.windows)}
+        wrope.update({r: (ropes[1 + j, 0], ropes[1 + j, 1]) for j, r in enumerate(self.offsets)})
+        tables = {"main": (ropes[0, 0], ropes[0, 1]), "compress": wrope[1]}
 
         rec = IndexRecorder(self.model.cfg.index_topk) if self.record_index else None
 
         def attention(li, attn, h, tables, hq=None):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec)
-        logits, routing = run_layers(self.model, ids, pos, attention, fp8=self.fp8, side=self.side)
+        logits, routing = run_layers(m, ids, pos, attention, fp8=self.fp8, side=self.side, pre=(tables, x))
         out = {"logits": logits, "routing": routing.to(torch.uint8)}
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)

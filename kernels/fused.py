@@ -6,7 +6,7 @@
     rms_norm(x, weight, eps)                                                     (weight None = unweighted)
     rms_norm_quant(x, weight, eps, fp8) -> normed, quantized                     (inference, for FP8 linears)
     rope(x, cos, sin, inverse)                                                   (interleaved, last dims)
-    norm_rope(x, weight, eps, cos, sin[, store])                                 (RMSNorm then rope, inference)
+    norm_rope(x, weight, eps, cos, sin[, store, first])                          (RMSNorm then rope, inference)
     swiglu(gate, up, limit)
 
 Each computes the same function as its twin in model/model.py (`hc_pre`, `Transformer.hc_head`, `hc_post`,
@@ -759,14 +759,11 @@ def rope(x, cos, sin, inverse: bool = False):
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(X, W, COS, SIN, Y, OUT2, ROWS2, eps, stride_x, per, ncos, DIM: tl.constexpr,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr,
-                          PDL: tl.constexpr = False):
+    def _norm_rope_row(X, W, COS, SIN, Y, OUT2, ROWS2, r, eps, stride_x, per, ncos, DIM: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr):
         """Row r: RMSNorm (weight W, or unweighted: the factor rounded to x's dtype first, as the twin does), then
         the last HALF channel pairs rotated by row (r // per) % ncos of cos/sin; to Y, and (STORE2) to row
         ROWS2[r] of OUT2 too."""
-        pdl_wait(PDL)
-        r = tl.program_id(0).to(tl.int64)
         rd = tl.arange(0, BLOCK)
         md = rd < DIM
         y = _rms_row(X, W, r, stride_x, eps, DIM, BLOCK, WEIGHTED).to(X.dtype.element_ty)
@@ -781,26 +778,59 @@ if triton is not None:
         if STORE2:
             tl.store(OUT2 + tl.load(ROWS2 + r) * DIM + rd, out.to(OUT2.dtype.element_ty), mask=md)
 
+    @triton.jit
+    def _norm_rope_kernel(X, W, COS, SIN, Y, OUT2, ROWS2, eps, stride_x, per, ncos,
+                          XA, WA, YA, eps_a, stride_xa, per_a, rows_a, DIM: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, STORE2: tl.constexpr,
+                          WEIGHTED_A: tl.constexpr, PDL: tl.constexpr = False):
+        """Programs [0, rows_a): _norm_rope_row over XA (weight WA) into YA; the programs after them: over X (weight
+        W) into Y (and OUT2). Both with the same cos / sin."""
+        pdl_wait(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        if r < rows_a:
+            _norm_rope_row(XA, WA, COS, SIN, YA, YA, YA, r, eps_a, stride_xa, per_a, ncos, DIM, HALF, BLOCK,
+                           WEIGHTED_A, False)
+        else:
+            _norm_rope_row(X, W, COS, SIN, Y, OUT2, ROWS2, r - rows_a, eps, stride_x, per, ncos, DIM, HALF, BLOCK,
+                           WEIGHTED, STORE2)
 
-def norm_rope(x, weight, eps: float, cos, sin, store=None):
+
+def _rows2(x):
+    """x (..., dim) as rows (n, dim) with unit column stride (a column slice of a wider GEMM output stays a view)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def norm_rope(x, weight, eps: float, cos, sin, store=None, first=None):
     """Inference's RMSNorm (weight None: unweighted) + apply_rope in one pass: x (..., dim) with rows possibly
     strided (a column slice of the engine's fused input GEMM), cos/sin as `rope` takes them. store: (buf (R,
     dim), rows (x's rows,) int64) also writes row i of the result to buf[rows[i]] (the engine's window cache).
-    -> (..., dim) in x's dtype, or None where `rope` would decline the broadcast (the caller composes the two)."""
+    first: (xa, weight_a, eps_a, cos_a, sin_a), another tensor of the same last dim whose rows the same launch
+    normalizes and rotates the same way (cos_a / sin_a: the same tables, shaped for xa; no store).
+    -> (..., dim) in x's dtype (with first: (its result, x's)), or None where `rope` would decline a broadcast
+    (the caller composes the two)."""
     per = _rope_per(x, cos, sin)
     dim = x.shape[-1]
     if per is None or dim % 2:
         return None
-    x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows2(x)
     rows, half = x2.shape[0], cos.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows:
+    xa2, wa, eps_a, per_a, ya = x2, None, eps, per, y
+    if first is not None:
+        xa, wa, eps_a, cos_a, sin_a = first
+        per_a = _rope_per(xa, cos_a, sin_a)
+        if per_a is None or xa.shape[-1] != dim or cos_a.numel() != cos.numel():
+            return None
+        xa2 = _rows2(xa)
+        ya = torch.empty(xa.shape, dtype=xa.dtype, device=xa.device)
+    rows_a = xa2.shape[0] if first is not None else 0
+    if rows + rows_a:
         cos, sin = cos.contiguous().float(), sin.contiguous().float()
         buf, idx = store if store is not None else (y, y)
-        _norm_rope_kernel[(rows,)](x2, weight if weight is not None else x2, cos, sin, y, buf, idx, eps, x2.stride(0),
-                                   per, cos.numel() // half, DIM=dim, HALF=half, BLOCK=pow2(dim),
-                                   WEIGHTED=weight is not None, STORE2=store is not None,
-                                   num_warps=4 if dim >= 1024 else 2, **pdl(x2))
-    return y
+        _norm_rope_kernel[(rows_a + rows,)](
+            x2, weight if weight is not None else x2, cos, sin, y, buf, idx, eps, x2.stride(0), per,
+            cos.numel() // half, xa2, wa if wa is not None else xa2, ya, eps_a, xa2.stride(0), per_a, rows_a, DIM=dim,
+            HALF=half, BLOCK=pow2(dim), WEIGHTED=weight is not None, STORE2=store is not None,
+            WEIGHTED_A=wa is not None, num_warps=4 if dim >= 1024 else 2, **pdl(x2))
+    return (ya, y) if first is not None else y

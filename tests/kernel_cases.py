@@ -267,3 +267,34 @@ def to_host_case(device) -> bool:
             if call - back >= 0:
                 ok &= all(torch.equal(host_rows(h, row, t), s) for h, t, s in zip(hosts, like, sent[call - back]))
     return ok and ctr.tolist() == [3, 0]
+
+
+# (rows, D, RoPE half, offsets, windows, block-table widths): masked and multi-chunk rows, no / one / two tables
+STEP_INPUTS_CASES = ((5, 40, 5, (1, 4, 7), (8, 5), (3, 300)), (1, 2100, 32, (1,), (128,), (17,)),
+                     (4, 64, 32, (1, 4, 128), (), ()), (0, 16, 4, (1, 2), (3,), (5, 6)),
+                     (33, 128, 8, (), (7,), (2, 700)))
+
+
+def step_inputs_case(device, n: int, D: int, half: int, offsets, windows, cols) -> bool:
+    """kernels.step.step_inputs against its torch twin: rows that take their id from the previous step's tokens
+    and rows that take it from the input, positions near 0 (where pos + 1 - r clamps), block tables of widths cols
+    (0-2 of them). -> whether every output has the same values, dtype and shape."""
+    from kernels.step import step_inputs, step_inputs_ref
+    g = torch.Generator().manual_seed(n * 31 + D)
+    V, P, S, hc = 50, 40, 9, 3
+    inp = torch.zeros(7, n, dtype=torch.int64)
+    inp[0] = torch.randint(0, V, (n,), generator=g)
+    inp[1] = torch.randint(0, P, (n,), generator=g)
+    inp[1, : n // 2] = torch.arange(n // 2) % 3  # (small positions: the offsets' clamp)
+    inp[2] = torch.randint(0, S, (n,), generator=g)
+    inp[6] = torch.where(torch.rand(n, generator=g) < 0.5, -1, torch.randint(0, 8, (n,), generator=g))
+    tok = torch.randint(0, V, (8,), generator=g)
+    emb = torch.randn(V, D, generator=g).to(torch.bfloat16)
+    main, comp = torch.randn(2, P, half, generator=g), torch.randn(2, P, half, generator=g)
+    tables = [torch.randint(-1, 1000, (S, c), generator=g) for c in cols]
+    args = [t.to(device) for t in (inp, tok, emb)] + [hc] + [main.to(device), comp.to(device), offsets, windows,
+                                                            [t.to(device) for t in tables]]
+    got, want = step_inputs(*args), step_inputs_ref(*args)
+    flat = [*got[:4], *got[4]], [*want[:4], *want[4]]
+    return len(got[4]) == len(cols) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+                                            for a, b in zip(*flat))

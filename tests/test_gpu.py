@@ -389,6 +389,11 @@ def test_fused_hc_and_norms(n, monkeypatch):
     rows = torch.randperm(300, device="cuda", generator=g)[:64]
     got = fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), (buf, rows))
     assert rel(got, _rope(_rms(kv, wn, 1e-6), ang.cos(), ang.sin())) < 1e-2 and torch.equal(buf[rows], got[0])
+    buf2 = torch.zeros_like(buf)  # both in one launch (Attention.q_and_kv): the two launches' bits
+    qa, kb = fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), (buf2, rows),
+                             first=(q, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None]))
+    assert torch.equal(qa, fused.norm_rope(q, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None]))
+    assert torch.equal(kb, got) and torch.equal(buf2, buf)
     from model.model import _swiglu
     gs, us = [(torch.randn(2, 64, 1024, device="cuda", generator=g) * 6).bfloat16() for _ in range(2)]
     # the same bf16 roundings as torch: at most one ulp apart
@@ -533,6 +538,13 @@ def test_to_host_kernel():
     three calls, a 15 KB source over several programs, the ticket back to 0)."""
     from tests.kernel_cases import to_host_case
     assert to_host_case("cuda")
+
+
+def test_step_inputs_kernel():
+    """The decode step's opening gathers in one launch (kernels.step.step_inputs) against their torch twin."""
+    from tests.kernel_cases import STEP_INPUTS_CASES, step_inputs_case
+    for case in STEP_INPUTS_CASES + ((256, 2048, 32, (1, 4, 128), (128,), (129, 5)),):
+        assert step_inputs_case("cuda", *case), case
 
 
 def test_engine_on_small_dims_turns_graphs_off():

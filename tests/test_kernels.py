@@ -383,6 +383,13 @@ INTERPRETED = textwrap.dedent("""
     want = _rope(_rms(kv, wn, 1e-6), ang.cos(), ang.sin())
     assert (got - want).abs().max() < 1e-5 and torch.equal(buf[[7, 2, 5]], got[0])
     assert int(buf.abs().sum(1).gt(0).sum()) == 3  # no other row written
+    # both in one launch (Attention.q_and_kv): the bits of the two launches above, the same store
+    buf2 = torch.zeros(10, 48)
+    qa, kb = fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), (buf2, torch.tensor([7, 2, 5])),
+                             first=(q4, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None]))
+    assert torch.equal(qa, fused.norm_rope(q4, None, 1e-6, ang.cos()[:, None], ang.sin()[:, None]))
+    assert torch.equal(kb, got) and torch.equal(buf2, buf)
+    assert fused.norm_rope(kv, wn, 1e-6, ang.cos(), ang.sin(), first=(q4, None, 1e-6, ang.cos(), ang.sin())) is None
     # fp32: the interpreter truncates bf16 casts (the GPU test checks bf16)
     xb, wb = torch.randn(7, 200, generator=g), torch.randn(200, generator=g)
     assert grad_case(lambda x: fused.rms_norm(x, None, 1e-6), lambda x: _rms_unweighted(x, 1e-6), [xb]) < 1e-5
@@ -430,6 +437,9 @@ INTERPRETED = textwrap.dedent("""
         assert bad == 0 and dlp < 1e-4, (B, V, dt, bad, dlp)
     from tests.kernel_cases import to_host_case
     assert to_host_case("cpu")
+    from tests.kernel_cases import STEP_INPUTS_CASES, step_inputs_case
+    for case in STEP_INPUTS_CASES:
+        assert step_inputs_case("cpu", *case), case
     print("ok")
 """)
 
