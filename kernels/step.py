@@ -32,10 +32,10 @@ if triton is not None:
             tl.store(O + i * C + c0 + c, tl.load(T + slot * C + c0 + c, mask=m), mask=m)
 
     @triton.jit
-    def _step_inputs_kernel(INP, TOK, EMB, X, IDS, MAIN, COMP, P, OFFS, ROPES, WINS, WROWS, T0, O0, T1, O1, n,
-                            C0: tl.constexpr, C1: tl.constexpr, D: tl.constexpr, HC: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-                            NJ: tl.constexpr, NW: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
-                            PDL: tl.constexpr = False):
+    def _step_inputs_kernel(INP, TOK, EMB, stride_e, X, IDS, MAIN, COMP, P, OFFS, ROPES, WINS, WROWS, T0, O0, T1, O1,
+                            n, C0: tl.constexpr, C1: tl.constexpr, D: tl.constexpr, HC: tl.constexpr,
+                            HALF: tl.constexpr, HP: tl.constexpr, NJ: tl.constexpr, NW: tl.constexpr,
+                            BD: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
         """Programs (i, part): row i of the ids and streams (part 0), of the RoPE and window rows (1), of the block
         tables (2; T1 None: one table). Each part's loads wait on each other, not on the other parts'."""
         pdl_wait(PDL)
@@ -47,7 +47,7 @@ if triton is not None:
             d = tl.arange(0, BD)
             for d0 in range(0, D, BD):
                 m = d0 + d < D
-                row = tl.load(EMB + t * D + d0 + d, mask=m)
+                row = tl.load(EMB + t * stride_e + d0 + d, mask=m)
                 for h in tl.static_range(HC):
                     tl.store(X + (i * HC + h) * D + d0 + d, row, mask=m)
         elif part == 1:
@@ -102,11 +102,13 @@ def step_inputs(inp, tok, emb, hc: int, main, comp, offsets, windows, tables):
     """See the module docstring: one launch on GPUs (and under the interpreter), step_inputs_ref elsewhere. At
     most two block tables."""
     assert main.shape == comp.shape and main.shape[0] == 2 and inp.shape[0] == 7 and len(tables) <= 2, \
-        f"step_inputs: inp {tuple(inp.shape)}, RoPE tables {tuple(main.shape)} / {tuple(comp.shape)}, {len(tables)} tables"
+        f"step_inputs: inp {tuple(inp.shape)}, RoPE tables {tuple(main.shape)} / {tuple(comp.shape)}, " \
+        f"{len(tables)} block tables"
     if not use_triton(inp):
         return step_inputs_ref(inp, tok, emb, hc, main, comp, offsets, windows, tables)
     n, dev = inp.shape[1], inp.device
-    V, D = emb.shape
+    D = emb.shape[1]
+    assert emb.stride(1) == 1, f"step_inputs: embedding strides {emb.stride()}"
     _, P, half = main.shape
     inp, main, comp = inp.contiguous(), main.contiguous(), comp.contiguous()
     ids = torch.empty(n, dtype=torch.int64, device=dev)
@@ -120,8 +122,8 @@ def step_inputs(inp, tok, emb, hc: int, main, comp, offsets, windows, tables):
         targs += [tables[k].contiguous(), tabs[k]] if k < len(tables) else [None, None]
         cols.append(tables[k].shape[1] if k < len(tables) else 0)
     if n:
-        _step_inputs_kernel[(n, 3 if tables else 2)](inp, tok, emb, x, ids, main, comp, P, offs, ropes, wins, wrows, *targs, n,
-                                  C0=cols[0], C1=cols[1], D=D,
-                                  HC=hc, HALF=half, HP=pow2(half), NJ=1 + len(offsets), NW=len(windows),
-                                  BD=min(pow2(D), 1024), BC=256, num_warps=4, **pdl(inp))
+        _step_inputs_kernel[(n, 3 if tables else 2)](
+            inp, tok, emb, emb.stride(0), x, ids, main, comp, P, offs, ropes, wins, wrows, *targs, n, C0=cols[0],
+            C1=cols[1], D=D, HC=hc, HALF=half, HP=pow2(half), NJ=1 + len(offsets), NW=len(windows),
+            BD=min(pow2(D), 1024), BC=256, num_warps=4, **pdl(inp))
     return ids, x, ropes, wrows, tabs
