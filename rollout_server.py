@@ -2338,7 +2338,7 @@ def read_prompts(path: Path, tokenizer, vocab: int,
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
     -> (token ids, sampling parameters, line number) a prompt."""
     out = []
-    from model.tasks import jsonl_lines
+    from model.tasks import json_line, jsonl_lines
     try:
         lines = jsonl_lines(path)
     except ValueError as e:
@@ -2347,9 +2347,11 @@ def read_prompts(path: Path, tokenizer, vocab: int,
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
+            d = json_line(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
+        except ValueError as e:
+            raise SystemExit(f"{path}:{n}: {e}")
         sp = base
         if isinstance(d, dict):
             over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt", "answer")}  # (answer:

@@ -35,6 +35,21 @@ def jsonl_lines(path: Path) -> list[str]:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
+def _unique_keys(pairs) -> dict:
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"key {k!r} given twice")
+        d[k] = v
+    return d
+
+
+def json_line(line: str):
+    """One JSONL line's value; a ValueError (json.JSONDecodeError for bad syntax) names a key an object gives twice
+    (json.loads would keep the last silently)."""
+    return json.loads(line, object_pairs_hook=_unique_keys)
+
+
 def _bucket(text: str, buckets: int) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) % buckets
 
@@ -230,7 +245,7 @@ class JsonlTask:
             if not line.strip():
                 continue
             try:
-                d = json.loads(line)
+                d = json_line(line)
                 prompt, answer = d["prompt"], d["answer"]
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty or non-string prompt")

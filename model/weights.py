@@ -305,7 +305,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             claim(name, key)
             put(name, targets[name], _decode(key, shards.get(key), shards, device), key)
 
-    missing = []
+    missing, n_missing = [], 0
     for name in targets:
         mod_name, _, leaf = name.rpartition(".")
         if mod_name in experts:
@@ -313,11 +313,14 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             rows, _ = own_experts(mod, leaf)
             lacking = [e for e in rows if (name, e) not in filled]
             if lacking:
-                missing.append(f"{mod_name}.{lacking[0] + mod.expert_offset}.{leaf}.weight (and {len(lacking) - 1} more experts)")
+                missing.append(f"{mod_name}.{lacking[0] + mod.expert_offset}.{leaf}.weight (and {len(lacking) - 1} more "
+                               f"experts)")
+                n_missing += len(lacking)
         elif name not in filled and not (tied and name == "head.weight"):
             missing.append(name)
+            n_missing += 1
     if missing:
-        raise WeightError(f"{path}: checkpoint lacks {len(missing)} tensor(s), first: {missing[:5]}")
+        raise WeightError(f"{path}: checkpoint lacks {n_missing} tensor(s), first: {missing[:5]}")
     for name in targets:  # hash layers' token -> expert tables must name experts of this config
         if name.endswith(".tid2eid"):
             t = _local(targets[name])

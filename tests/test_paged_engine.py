@@ -219,6 +219,10 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         src.write_text(json.dumps([3]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match=msg):
             main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
+    # a key given twice (json.loads would keep the last one silently)
+    src.write_text(json.dumps([3]) + '\n{"prompt_token_ids": [1], "max_tokens": 2, "max_tokens": 5}\n')
+    with pytest.raises(SystemExit, match="p.jsonl:2: key 'max_tokens' given twice"):
+        main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
 def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):

@@ -93,6 +93,10 @@ def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
     assert {it.answer for it in t.items} | {held.answer} == {"0", "1", "2", "3", "4", "5", "2.5"}
     with pytest.raises(ValueError, match=r"t\.jsonl:8: malformed line \(answer None"):
         JsonlTask(f, strict=True)
+    twice = tmp_path / "twice.jsonl"  # a key given twice: refused, not the last one kept
+    twice.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 1, "answer": 2}\n')
+    with pytest.raises(ValueError, match=r"twice\.jsonl:2: malformed line \(key 'answer' given twice\)"):
+        JsonlTask(twice, strict=True)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(12)))
     with pytest.raises(ValueError, match=r"no training items left \(12 read, 0 malformed.*task\.eval_size=64"):

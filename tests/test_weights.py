@@ -115,10 +115,11 @@ def test_missing_tensor_is_named(tiny, tmp_path):
     save_pretrained(tiny, tmp_path)
     t = _all_tensors(tmp_path)
     del t["layers.1.attn.indexer.weights_proj.weight"], t["layers.2.ffn.experts.6.w1.weight"]
+    del t["layers.2.ffn.experts.7.w1.weight"]  # (two experts of one leaf: two tensors in the count)
     _rewrite(tmp_path, t)
-    with pytest.raises(WeightError, match=r"layers\.1\.attn\.indexer\.weights_proj\.weight") as e:
+    with pytest.raises(WeightError, match=r"lacks 3 tensor\(s\).*layers\.1\.attn\.indexer\.weights_proj\.weight") as e:
         load_pretrained(tmp_path, progress=False)
-    assert "layers.2.ffn.experts.6.w1.weight" in str(e.value)
+    assert "layers.2.ffn.experts.6.w1.weight (and 1 more experts)" in str(e.value)
 
 
 def test_shape_mismatch_is_named(tiny, tmp_path):
