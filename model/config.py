@@ -241,6 +241,11 @@ class ModelConfig:
         for k in direct:
             if g.get(k) is not None:
                 out[k] = g[k]
+        absent = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if k not in out]
+        if absent:  # (transformers does the same, silently: a config.json of another model would build a V4-Flash)
+            warnings.warn(f"{where}: no {', '.join(absent)}: DeepSeek-V4-Flash's value{'s' if len(absent) > 1 else ''}"
+                          f" taken", stacklevel=3)
         # norm_topk_prob is not read: DeepSeek-V4 divides the top-k weights by their sum whatever it says
         # (transformers' DeepseekV4 routers ignore it; the YAML key stays a research switch)
         if g.get("hidden_act", "silu") != "silu":  # transformers applies it in every expert; ours are SwiGLU

@@ -216,3 +216,18 @@ def test_null_and_infinite_values_are_named():
         with pytest.raises(ConfigError, match=match):
             RunConfig.load("configs/tiny.yaml", [item])
     assert RunConfig.load("configs/tiny.yaml", ["model.eos_token_id=null"]).model.eos_token_id is None
+
+
+def test_config_json_without_its_shape_keys_warns():
+    """A config.json without the keys that size the model builds DeepSeek-V4-Flash's shapes (as transformers does):
+    it says which it took; our own config.json (to_hf_config) has them all."""
+    import warnings
+    with pytest.warns(UserWarning, match=r"m/config\.json: no hidden_size, n_routed_experts: DeepSeek-V4-Flash's "
+                                         r"values taken"):
+        c = ModelConfig.from_hf_config({"vocab_size": 300, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                        "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                        "compress_ratios": [0, 0], "num_hash_layers": 1}, where="m/config.json")
+    assert c.hidden_size == ModelConfig.hidden_size and c.n_routed_experts == ModelConfig.n_routed_experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ModelConfig.from_hf_config(c.to_hf_config()).hidden_size == c.hidden_size
