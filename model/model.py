@@ -453,14 +453,12 @@ class Attention(nn.Module):
 
     def q_heads(self, q_res, cos, sin, qq=None):
         """q_res (B, T, q_lora) -> q (B, T, H, d): wq_b (qq: q_res quantized, q_lora's), the per-head norm, RoPE."""
-        B, T, _ = q_res.shape
-        return self._q_rope(self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        return self._q_rope(self._q_proj(q_res, qq), cos, sin)
 
     def q_and_kv(self, q_res, x, cos, sin, qq=None, kv=None, store=None):
         """(q_heads(q_res, cos, sin, qq), project_kv(x, cos, sin, kv, store)); in inference both norms and
         rotations run in one kernel."""
-        B, T, _ = q_res.shape
-        q = self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
+        q = self._q_proj(q_res, qq)
         kv = self.wkv(x) if kv is None else kv
         if fused_ok(kv):
             ys = fused.norm_rope(kv, self.norm.weight, self.norm.eps, cos, sin, store,
@@ -468,6 +466,10 @@ class Attention(nn.Module):
             if ys is not None:
                 return ys
         return self._q_rope(q, cos, sin), self.project_kv(x, cos, sin, kv, store)
+
+    def _q_proj(self, q_res, qq=None):
+        B, T, _ = q_res.shape
+        return self.wq_b(q_res, qq).view(B, T, self.n_heads, self.head_dim)
 
     def _q_rope(self, q, cos, sin):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
