@@ -346,12 +346,12 @@ def _mix_partials(x, w, ssq: bool = False):
 
 if triton is not None:
     @triton.jit
-    def _route_kernel(PART, BIAS, HASH, WOUT, IOUT, scale, E: tl.constexpr, EP: tl.constexpr, SPLIT: tl.constexpr,
-                      SB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr,
-                      NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+    def _route_kernel(PART, BIAS, HASH, TOKS, WOUT, IOUT, scale, E: tl.constexpr, EP: tl.constexpr,
+                      SPLIT: tl.constexpr, SB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUNC: tl.constexpr,
+                      HASHED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
         """One token: logits (the SPLIT partials of _hc_mix_kernel, summed) -> scores (FUNC 0 softmax,
-        1 sigmoid, 2 sqrt(softplus)), the top K of scores + bias (or the hash layer's K ids), their scores
-        normalized (NORM) and scaled."""
+        1 sigmoid, 2 sqrt(softplus)), the top K of scores + bias (or the hash layer's K ids: row TOKS[t] of its
+        table HASH), their scores normalized (NORM) and scaled."""
         pdl_wait(PDL)
         t = tl.program_id(0)
         re = tl.arange(0, EP)
@@ -371,7 +371,7 @@ if triton is not None:
             s = tl.sqrt(tl.where(lg > 20.0, lg, sp_))
         rk = tl.arange(0, KP)
         if HASHED:
-            ids = tl.load(HASH + t * K + rk, mask=rk < K, other=0)
+            ids = tl.load(HASH + tl.load(TOKS + t) * K + rk, mask=rk < K, other=0)
             w = tl.sum(tl.where(ids[:, None] == re[None, :], s[None, :], 0.0), 1)
         else:
             sel = tl.where(me, s + tl.load(BIAS + re, mask=me, other=0.0), float("-inf"))
@@ -392,19 +392,20 @@ if triton is not None:
 _SCORE_FUNC = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
-def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, hash_ids=None):
+def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, hash_table=None, tokens=None):
     """The router at inference (model.Gate's twin without replay): x (M, D), weight (E, D), bias (E,) fp32 ->
-    weights (M, k) fp32, expert ids (M, k) int64, the ids in descending order of score + bias (hash layers:
-    hash_ids (M, k), in their order). Two launches: the fp32 product as split partials, then one program per
-    token for the scores and the top-k (torch took two casts, an fp32 GEMM, its split-K reduction and ~8
-    elementwise, top-k and gather kernels)."""
+    weights (M, k) fp32, expert ids (M, k) int64, the ids in descending order of score + bias (hash layers: the
+    rows of hash_table (V, k) at the M token ids tokens, in their order, read by the kernel). Two launches: the
+    fp32 product as split partials, then one program per token for the scores and the top-k (torch took two
+    casts, an fp32 GEMM, its split-K reduction and ~8 elementwise, top-k and gather kernels)."""
     M, E = x.shape[0], weight.shape[0]
     w = torch.empty(M, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, k, dtype=torch.int64, device=x.device)
     if M:
         part = _mix_partials(x.contiguous(), weight)
-        hashed = hash_ids is not None
-        _route_kernel[(M,)](part, bias if not hashed else part, hash_ids.contiguous() if hashed else ids, w, ids,
+        hashed = hash_table is not None
+        _route_kernel[(M,)](part, bias if not hashed else part, hash_table.contiguous() if hashed else ids,
+                            tokens.reshape(-1).contiguous() if hashed else ids, w, ids,
                             float(scale), E=E, EP=part.shape[2], SPLIT=part.shape[1],
                             SB=max(1, min(32, 1024 // part.shape[2])), K=k, KP=max(2, pow2(k)),
                             FUNC=_SCORE_FUNC[score_func], HASHED=hashed, NORM=norm, LIBDEVICE=x.is_cuda,

@@ -592,7 +592,7 @@ class Gate(nn.Module):
         tokens) over the real tokens (token_mask), for the actor's routing-mismatch metric."""
         if replay is None and fused_ok(x):  # inference on a GPU: two kernels (fused.route); the code below its twin
             return fused.route(x, self.weight, None if self.hash else self.bias, self.topk, self.score_func,
-                               self.norm_topk, self.route_scale, self.tid2eid[input_ids] if self.hash else None)
+                               self.norm_topk, self.route_scale, *((self.tid2eid, input_ids) if self.hash else ()))
         s = self.scores(x)
         if self.hash:
             idx = self.tid2eid[input_ids].long()

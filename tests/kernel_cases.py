@@ -105,7 +105,7 @@ def route_case(device, M: int, D: int, E: int, k: int, score_func: str, hashed: 
     gate.bias = None if hashed else gate.bias.float()
     x = torch.randn(M, D, generator=g).to(device=device, dtype=torch.bfloat16)
     ids = torch.randint(0, 50, (M,), generator=g).to(device)
-    w1, i1 = fused.route(x, gate.weight, gate.bias, k, score_func, norm, 1.5, gate.tid2eid[ids] if hashed else None)
+    w1, i1 = fused.route(x, gate.weight, gate.bias, k, score_func, norm, 1.5, *((gate.tid2eid, ids) if hashed else ()))
     w2, i2 = gate(x, ids)
     o1, o2 = i1.sort(-1), i2.sort(-1)
     bad = int((o1.values != o2.values).any(-1).sum())
