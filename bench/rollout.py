@@ -145,15 +145,16 @@ def kernel_shares(events) -> dict:
     return kern
 
 
-def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32) -> str:
-    """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same
-    prompts that differ only in `steps` extra decode steps; their difference, per step. Each kernel's share of the
-    time some kernel was running (kernel_shares; on one chain of dependent kernels, the critical path less the idle
-    gaps) beside its summed durations, which overcount: under PDL a kernel starts while the one before runs and
-    waits for it."""
+def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prompt_len: int = 64) -> str:
+    """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same prompts
+    (prompt_len tokens, fewer where max_len has no room) that differ only in `steps` extra decode steps; their
+    difference, per step. Each kernel's share of the time some kernel was running (kernel_shares; on one chain of
+    dependent kernels, the critical path less the idle gaps) beside its summed durations, which overcount: under PDL a
+    kernel starts while the one before runs and waits for it."""
     from torch.profiler import ProfilerActivity, profile
     eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=max_len)
-    prompt = [list(range(1 + i, 65 + i)) for i in range(B)]
+    prompt_len = max(1, min(prompt_len, max_len - steps - 2))  # room for the 2 + steps new tokens
+    prompt = [list(range(1 + i, 1 + i + prompt_len)) for i in range(B)]
     eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     runs = []
     for n in (2, 2 + steps):
@@ -192,6 +193,7 @@ def main(argv=None):
     ap.add_argument("--long-ctx", default="1024,16384")
     ap.add_argument("--long-gen", type=int, default=128)
     ap.add_argument("--profile", default="", help="B:fp8|bf16,...: the top CUDA kernels of batch-B decode steps "
+                    "at the timed runs' mean context (--prompt-len + --gen-len / 2) "
                     "(with programmatic dependent launch a kernel's time includes its wait for the one before: "
                     "KERNELS_PDL=0 gives each kernel's own)")
     ap.add_argument("--json", type=Path)
@@ -243,7 +245,9 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache()
     for B, kind in profiles:
-        print(profile_decode(model, max_len, B, kind == "fp8"), flush=True)
+        # the prompts at the timed runs' mean context (prompt + half the new tokens), which sizes the attention
+        print(profile_decode(model, max_len, B, kind == "fp8", prompt_len=args.prompt_len + args.gen_len // 2),
+              flush=True)
     if ctxs and args.long_batch:
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,
                      max_model_len=max(ctxs) + args.long_gen + 1)
