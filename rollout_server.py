@@ -1406,7 +1406,13 @@ class Runner:
         c, dev = self.cache, self.cache.device
         inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
+        # a bucket's first step may come while the step before it is in flight (Engine._decode_step), feeding its
+        # sampled tokens from self.tok (src rows): the warm-up step below writes its own there, so they are kept
+        # and put back (before, such a step fed the warm-up's tokens: graphs and eager parted where a batch first
+        # shrank into a new bucket)
+        fed = self.tok.clone()
         warm = self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
+        self.tok.copy_(fed)
         names = [k for k in self.HOST_OUTPUTS if k in warm] if self.zero_copy else []
         host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
         if host:  # (compiles to_host, on a count of its own)

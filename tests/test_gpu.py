@@ -578,7 +578,9 @@ def test_engine_graphs_match_eager_and_simple():
     m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ov)["model"]), "cuda", torch.float32, seed=0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (3, 40, 97, 200, 11)]
-    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    # staggered lengths: the batch shrinks from 5 rows (an 8-row graph) to 4, 3 and 2 (graphs captured mid-run,
+    # with a step in flight whose tokens the next one feeds on the device)
+    sp = [SamplingParams(temperature=0, max_tokens=t, ignore_eos=True) for t in (80, 20, 40, 60, 80)]
     for fp8 in (False, True):
         outs = {}
         rec = dict(record_index=True)  # the indexer's choices too (Output.index_entries)
