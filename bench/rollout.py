@@ -245,7 +245,6 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache()
     for B, kind in profiles:
-        # the prompts at the timed runs' mean context (prompt + half the new tokens), which sizes the attention
         print(profile_decode(model, max_len, B, kind == "fp8", prompt_len=args.prompt_len + args.gen_len // 2),
               flush=True)
     if ctxs and args.long_batch:
