@@ -1286,12 +1286,14 @@ class Runner:
         out, oq = out if hq is not None else (out, None)
         return attn.project_out(out[None], None, None, oq)
 
-    def _decode_eager(self, inp):
+    def _decode_eager(self, inp, feed: bool = True):
         """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
         float64 bits), and the row of the previous step whose sampled token is this row's id (-1: the id row).
         -> logits (n, V) in the head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L,
         k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k /
-        top-p (kernels.sample on GPUs, sample_plain elsewhere)."""
+        top-p (kernels.sample on GPUs, sample_plain elsewhere). feed=False: the sampled tokens are not kept in
+        self.tok for the next step to feed (a capture's warm-up step, which may run while a step is in flight
+        whose tokens the next one feeds from there)."""
         n, m, c = inp.shape[1], self.model, self.cache
         pos, slots = inp[1], inp[2]
         # the step's ids, embedded streams, RoPE rows (at the positions; at each compress window's first position,
@@ -1317,7 +1319,8 @@ class Runner:
             out["tok"], out["lp"] = gumbel_sample(out["logits"], temps, inp[3], inp[4])
         else:
             out["tok"], out["lp"] = sample_plain(out["logits"], temps.float(), inp[3], inp[4])
-        self.tok[:n].copy_(out["tok"])
+        if feed:
+            self.tok[:n].copy_(out["tok"])
         return out
 
     def _stage(self, seqs: list[Sequence], lags=None, src=None) -> torch.Tensor:
@@ -1406,13 +1409,10 @@ class Runner:
         c, dev = self.cache, self.cache.device
         inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
-        # a bucket's first step may come while the step before it is in flight (Engine._decode_step), feeding its
-        # sampled tokens from self.tok (src rows): the warm-up step below writes its own there, so they are kept
-        # and put back (before, such a step fed the warm-up's tokens: graphs and eager parted where a batch first
-        # shrank into a new bucket)
-        fed = self.tok.clone()
-        warm = self._decode_eager(inp)  # compiles the Triton kernels and warms the allocator outside the capture
-        self.tok.copy_(fed)
+        # compiles the Triton kernels and warms the allocator outside the capture; feed=False: a bucket's first step
+        # may come while the step before it is in flight, whose tokens it feeds from self.tok (before, the warm-up
+        # wrote its own there: graphs and eager parted where a batch first shrank into a new bucket)
+        warm = self._decode_eager(inp, feed=False)
         names = [k for k in self.HOST_OUTPUTS if k in warm] if self.zero_copy else []
         host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
         if host:  # (compiles to_host, on a count of its own)
