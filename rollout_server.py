@@ -55,7 +55,6 @@ from kernels.attention import decode_attention, index_scores, index_topk, topk_f
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
                               use_triton)
-from kernels.fused import POST_MIX_TOKENS
 from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, to_host
 from kernels.step import step_inputs
@@ -570,14 +569,11 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         # pre runs on one stream) must not wait on work outside a graph being captured
         side.wait_stream(torch.cuda.current_stream(ids.device))
     routing, part = [], None
-    # the mHC post kernel after each MoE sums its slot rows itself up to POST_MIX_TOKENS (no slot-sum launch); past
-    # that the experts sum them, which frees their fp32 rows at once
-    summed = ids.numel() > POST_MIX_TOKENS
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None], xq=hq, summed=summed, side=side)  # (post_mix joins side before y is read)
+        y, idx = blk.ffn(h, ids[None], xq=hq, summed=False, side=side)  # (post_mix joins side, sums the slot rows)
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
         routing.append(idx[0])

@@ -230,13 +230,17 @@ if triton is not None:
         tl.store(PART + (t * SPLIT + s) * MIXP + rm, tl.where(rm == MIXP - 1, tl.sum(y * y, 0), acc))
 
     @triton.jit
-    def _hc_post_mix_rows_kernel(OUT, X, POST, COMB, Y, FN, PART, N, N_HC: tl.constexpr, D: tl.constexpr,
-                                 NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr, CHUNK: tl.constexpr,
-                                 BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    def _hc_post_mix_rows_kernel(OUT, X, POST, COMB, Y, FN, PART, N, SY, IDS, E, N_HC: tl.constexpr,
+                                 D: tl.constexpr, NP: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
+                                 CHUNK: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                                 KR: tl.constexpr = 0, KT: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Program (s, token block b): _hc_post_mix_kernel's work for BT tokens at once, the chunk's weights loaded
         once for all of them. The mix partials take _hc_mix_kernel's steps (tensor-core products of PREC over BK
         columns of BT rows, accumulated; the sum of squares beside them), so they equal what that kernel gives
-        over the stored streams with the same tiles."""
+        over the stored streams with the same tiles. KT > 0: out is the sum of the tokens' KT slot rows of SY
+        (slot_total's order, rounded to OUT's dtype), and the partials read the new streams back as stored (a
+        load, as _hc_mix_kernel's): computed from the sums, the streams took a register layout whose sums of
+        squares ran in another order."""
         pdl_wait(PDL)
         s, b = tl.program_id(0), tl.program_id(1)
         SPLIT: tl.constexpr = N_HC * D // CHUNK
@@ -255,10 +259,24 @@ if triton is not None:
             rd = (s % (D // CHUNK)) * CHUNK + f0 + tl.arange(0, BK)
             x = tl.load(X + t[:, None, None] * (N_HC * D) + rj[None, :, None] * D + rd[None, None, :],
                         mask=mt[:, None, None] & mj[None, :, None], other=0.0).to(tl.float32)  # (BT, NP, BK)
-            out = tl.load(OUT + t[:, None] * D + rd[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
+            if KT == 0:
+                out = tl.load(OUT + t[:, None] * D + rd[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
+            else:
+                out = tl.zeros((BT, BK), tl.float32)
+                for j in tl.static_range(KT):
+                    here = mt
+                    if j < KR:
+                        here = here & (tl.load(IDS + t * KR + j, mask=mt, other=E) < E)
+                    out += tl.load(SY + (t[:, None] * KT + j) * D + rd[None, :], mask=here[:, None], other=0.0)
+                out = out.to(OUT.dtype.element_ty).to(tl.float32)
             y = (post[:, None] * out + tl.sum(comb[:, :, None] * x, 1)).to(Y.dtype.element_ty)
-            tl.store(Y + t[:, None] * (N_HC * D) + i * D + rd[None, :], y, mask=mt[:, None])
-            y = y.to(tl.float32)
+            yp = Y + t[:, None] * (N_HC * D) + i * D + rd[None, :]
+            tl.store(yp, y, mask=mt[:, None])
+            if KT == 0:
+                y = y.to(tl.float32)
+            else:
+                tl.debug_barrier()  # every thread's part of the tile is stored before any reads it back
+                y = tl.load(yp, mask=mt[:, None], other=0.0).to(tl.float32)
             w = tl.load(FN + rm[None, :] * (N_HC * D) + i * D + rd[:, None], mask=(rm < MIX)[None, :], other=0.0)
             acc = tl.dot(y, w.to(tl.float32), acc, input_precision=PREC)
             ss += tl.sum(y * y, 1)
@@ -485,15 +503,13 @@ def hc_post(out, x, post, comb, fn=None):
     fn: the next mHC's mix weights (m, n * D) -> (new streams, their mix partials for that hc_pre / hc_head's
     part, from the same kernel; None where D is not a multiple of MIX_CHUNK). Past POST_MIX_TOKENS tokens the
     partials are the mix kernel's own (_mix_partials over the new streams gives the same bits).
-    out may be an MoE's unsummed slot rows (kernels.moe.SlotRows, out.summed() of shape (N, D)): with fn, up to
-    POST_MIX_TOKENS tokens and in x's dtype the kernel sums them (the same bits, one launch fewer), else they are
-    summed first (in the 16-token blocks' kernel the sums changed the compiler's layout of the new streams, and with
-    it the order of the partials' sums of squares: not the mix kernel's bits)."""
+    out may be an MoE's unsummed slot rows (kernels.moe.SlotRows, out.summed() of shape (N, D)): with fn and in
+    x's dtype the kernel sums them (the same bits, one launch fewer), else they are summed first."""
     *lead, n, D = x.shape
     y = torch.empty_like(x)
     N = x.numel() // (n * D)
     slots = out if isinstance(out, SlotRows) else None
-    if slots is not None and (fn is None or D % MIX_CHUNK or N > POST_MIX_TOKENS or slots.dtype != x.dtype):
+    if slots is not None and (fn is None or D % MIX_CHUNK or slots.dtype != x.dtype):
         out, slots = slots.summed(), None
     if fn is not None:
         if D % MIX_CHUNK:
@@ -504,15 +520,14 @@ def hc_post(out, x, post, comb, fn=None):
         # with slot rows x stands in for out: the kernel reads only its dtype, the one the sums are rounded to
         args = (x if slots is not None else out.contiguous(), x, post.contiguous(), comb.contiguous(), y,
                 fn.contiguous(), part)
+        sy, ids, E, kr, kt = (x, x, 0, 0, 0) if slots is None else (slots.y, slots.ids, slots.E, slots.k, slots.kt)
         if 0 < N <= POST_MIX_TOKENS:
-            sy, ids, E, kr, kt = ((x, x, 0, 0, 0) if slots is None
-                                  else (slots.y, slots.ids, slots.E, slots.k, slots.kt))
             _hc_post_mix_kernel[(n * D // chunk, N)](*args, sy, ids, E, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0],
                                                     MIXP=mixp, CHUNK=chunk, KR=kr, KT=kt, num_warps=2, **pdl(x))
         elif N:  # _mix_partials' tiles and warps, so the partials are its own
             _hc_post_mix_rows_kernel[(n * D // chunk, triton.cdiv(N, MIX_ROWS))](
-                *args, N, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk, BT=MIX_ROWS,
-                BK=_mix_step(mixp), PREC=fp8_gemm.F32_DOT, num_warps=_mix_warps(N), **pdl(x))
+                *args, N, sy, ids, E, N_HC=n, D=D, NP=pow2(n), MIX=fn.shape[0], MIXP=mixp, CHUNK=chunk, BT=MIX_ROWS,
+                BK=_mix_step(mixp), PREC=fp8_gemm.F32_DOT, KR=kr, KT=kt, num_warps=_mix_warps(N), **pdl(x))
         return y, part
     if N:
         big = N >= 1024  # training-sized: wider tiles, fewer warps (measured on an H200); decode keeps more programs

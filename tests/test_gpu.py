@@ -185,7 +185,7 @@ def test_fused_moe(T, fp8, n_shared, absent):
             assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=overlap)), overlap
     assert tickets_left(x.device) == 0
     # the slot rows unsummed (the engine's run_layers), summed by the next mHC post with its mix partials (4
-    # streams; in its kernel up to POST_MIX_TOKENS, before it past them): the bits of summing first
+    # streams; a program a token up to POST_MIX_TOKENS, a 16-token block past them): the bits of summing first
     from kernels import fused
     rows = fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False)
     assert torch.equal(rows.summed(), got)

@@ -299,9 +299,9 @@ INTERPRETED = textwrap.dedent("""
         y2, hpart = fused.hc_post(out, xs, post, comb, fn[:n])
         assert torch.equal(y2, y)
         assert (fused.hc_head(y, fn[:n], base[:n], sc[:1], 1e-6, 1e-6, None, hpart) - fused.hc_head(y, fn[:n], base[:n], sc[:1], 1e-6, 1e-6)).abs().max() < 1e-5
-        # an MoE's slot rows unsummed (the engine's run_layers): summed in the kernel up to POST_MIX_TOKENS (before
-        # them past it), the bits of summing first; routed slots of another rank's expert (id E) never written (NaN
-        # here) and skipped; fp32 and bf16 sums
+        # an MoE's slot rows unsummed (the engine's run_layers): summed in the kernel (a program a token up to
+        # POST_MIX_TOKENS, a 16-token block past them), the bits of summing first; routed slots of another rank's
+        # expert (id E) never written (NaN here) and skipped; fp32 and bf16 sums
         E, k, kt = 5, 3, 4
         ids = torch.randint(0, E + 1, (N, k), generator=g)
         sy = torch.randn(N, kt, D, generator=g)
