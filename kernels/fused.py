@@ -262,12 +262,7 @@ if triton is not None:
             if KT == 0:
                 out = tl.load(OUT + t[:, None] * D + rd[None, :], mask=mt[:, None], other=0.0).to(tl.float32)
             else:
-                out = tl.zeros((BT, BK), tl.float32)
-                for j in tl.static_range(KT):
-                    here = mt
-                    if j < KR:
-                        here = here & (tl.load(IDS + t * KR + j, mask=mt, other=E) < E)
-                    out += tl.load(SY + (t[:, None] * KT + j) * D + rd[None, :], mask=here[:, None], other=0.0)
+                out = slot_total(SY, IDS, E, t, rd, mt[:, None] & (rd < D)[None, :], D, KR, KT, mt)
                 out = out.to(OUT.dtype.element_ty).to(tl.float32)
             y = (post[:, None] * out + tl.sum(comb[:, :, None] * x, 1)).to(Y.dtype.element_ty)
             yp = Y + t[:, None] * (N_HC * D) + i * D + rd[None, :]

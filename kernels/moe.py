@@ -365,16 +365,22 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def slot_total(Y, IDS, E, t, rd, md, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr):
+    def slot_total(Y, IDS, E, t, rd, md, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, mt=None):
         """Token t's KT slot rows of Y (fp32) at columns rd (md: those < D), summed in slot order in fp32,
         skipping routed slots (j < KR) whose expert is not here (IDS[t, j] >= E: never written). The slot sum of
-        every kernel that does it (_moe_sum_kernel, fused.hc_post's), so they give the same bits."""
-        acc = tl.zeros(rd.shape, tl.float32)
+        every kernel that does it (_moe_sum_kernel, fused.hc_post's), so they give the same bits. Or a tile of
+        tokens: t (BT,) with mt (BT,) those that exist, rd (BK,), md (BT, BK) -> (BT, BK)."""
+        acc = tl.zeros(md.shape, tl.float32)
+        rows = t if mt is None else t[:, None]
+        cols = rd if mt is None else rd[None, :]
         for j in tl.static_range(KT):
-            here = True
+            here = md
             if j < KR:
-                here = tl.load(IDS + t * KR + j) < E
-            acc += tl.load(Y + (t * KT + j) * D + rd, mask=md & here, other=0.0)
+                if mt is None:
+                    here = md & (tl.load(IDS + t * KR + j) < E)
+                else:
+                    here = md & (tl.load(IDS + t * KR + j, mask=mt, other=E) < E)[:, None]
+            acc += tl.load(Y + (rows * KT + j) * D + cols, mask=here, other=0.0)
         return acc
 
     @triton.jit
