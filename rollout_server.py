@@ -53,8 +53,8 @@ from torch.nn import functional as F
 
 from kernels.attention import decode_attention, index_scores, index_topk, topk_first
 from kernels.compress import compress_decode
-from kernels.fp8_gemm import (GEMV_ROWS, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2, small_linear,
-                              use_triton)
+from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
+                              small_linear, use_triton)
 from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, to_host
 from kernels.step import step_inputs
@@ -222,9 +222,10 @@ class FP8Linear(nn.Module):
         return dequant_fp8_block(self.qweight, self.scale, self.dtype)
 
     def forward(self, x, xq=None):
-        """xq: x's rows already quantized per 1x128 tile, (q, scales) as act_quant gives them: one GEMM launch."""
-        if xq is None:
-            return fp8_linear(x, self.qweight, self.scale)
+        """xq: x's rows already quantized per 1x128 tile, (q, scales) as act_quant gives them: one GEMM launch. A
+        Prenorm: x normed by its module first (in the GEMV kernel at a few rows)."""
+        if xq is None or isinstance(xq, Prenorm):
+            return fp8_linear(x, self.qweight, self.scale, None if xq is None else xq.norm)
         return fp8_gemm(*xq, self.qweight, self.scale, x.dtype).view(*x.shape[:-1], self.qweight.shape[0])
 
     def grouped(self, x, xq=None):
@@ -1255,7 +1256,10 @@ class Runner:
         if split:
             ins.update(gemms(h, hq, fp8=True))
         cos, sin = tables[attn.rope_kind]
-        q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype)
+        # at one row the FP8 wq_b GEMVs (the layer's and the indexer's) take the q norm themselves (at two the
+        # norm's own launch was faster: bench/RESULTS.md)
+        q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype,
+                                prenorm=self.fp8 is not None and h.shape[1] == 1 and use_triton(h))
         sel = None
         if attn.indexer is not None:
             if side is not None:

@@ -10,6 +10,7 @@ Triton on CUDA/ROCm (`use_triton(x)`), pure torch elsewhere; both compute
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -381,13 +382,15 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, SW, Y, M, N, stride_x, stride_w, stride_y, fmax, K: tl.constexpr, BN: tl.constexpr,
                      NKBP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, NW=None, eps=0.0, NORM: tl.constexpr = False):
         """Weight rows [pid * BN, (pid + 1) * BN) of y = x W^T for the M <= ROWS rows of x (a decode step's few
         rows): the program loads its whole (BN, K) weight slab with one load, so all of it is in flight at once
         (these calls are latency-bound), and takes slab_dot with each row. SCALED: W fp8 with 128 x 128 scales
         SW, x quantized per 1x128 tile; else W BF16/FP16, x as it is. Groups: the program's rows lie in one
         group g (BN divides N), which reads x's g-th K columns. Under PDL the weights load before the wait for
-        the kernel before (which must not be writing them: no decode kernel does)."""
+        the kernel before (which must not be writing them: no decode kernel does). NORM (one group): each row
+        RMS-normed with weight NW first and rounded to X's dtype, the norm kernel's arithmetic (kernels.fused
+        _rms_row) with its sum of squares in another order."""
         pid = tl.program_id(0)
         NKB: tl.constexpr = K // BLOCK_K
         rn = pid * BN + tl.arange(0, BN)
@@ -400,11 +403,18 @@ if triton is not None:
         sw = w
         if SCALED:
             sw = tl.load(SW + (rn // BLOCK_K)[:, None] * NKB + kb[None, :], mask=mk[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(NW + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None], other=0.0)
         pdl_wait(PDL)  # the weights are loading; x is the kernel before's output
         for m in tl.static_range(ROWS):
             if m < M:
                 x = tl.load(X + m * stride_x + g * K + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
-                            other=0.0).to(tl.float32)
+                            other=0.0)
+                if NORM:
+                    xf = x.to(tl.float32)
+                    inv = tl.rsqrt(tl.sum(tl.sum(xf * xf, 1), 0) / K + eps)
+                    x = (nw * (xf * inv)).to(X.dtype.element_ty)
+                x = x.to(tl.float32)
                 tl.store(Y + m * stride_y + rn, slab_dot(w, sw, x, fmax, SCALED).to(Y.dtype.element_ty))
 else:
     slab_dot = None
@@ -432,23 +442,27 @@ def slab_rows(N: int, row_bytes: int, most: int = 64, slab: int | None = None) -
 
 
 def gemv(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None, groups: int = 1, programs: int | None = None,
-         warps: int | None = None) -> torch.Tensor:
-    """x2 (M, G*K), M a few rows -> (M, G*N) in x2's dtype through _gemv_kernel: fp8_linear_fused's numerics (sw
-    None: a plain BF16 / FP16 weight, the product unquantized) with the sums in another order. Each program takes
-    BN weight rows, a power of two that divides N (its slab of at most GEMV_SLAB bytes), for about `programs`
-    programs (default GEMV_PROGRAMS)."""
+         warps: int | None = None, norm=None) -> torch.Tensor:
+    """x2 (M, G*K), M a few rows (a row stride of their own: a column slice is read in place) -> (M, G*N) in x2's
+    dtype through _gemv_kernel: fp8_linear_fused's numerics (sw None: a plain BF16 / FP16 weight, the product
+    unquantized) with the sums in another order. Each program takes BN weight rows, a power of two that divides N
+    (its slab of at most GEMV_SLAB bytes), for about `programs` programs (default GEMV_PROGRAMS). norm: an RMSNorm
+    (its weight (K,) fp32 and eps) of x2's rows first, one group (see Prenorm)."""
     M, GK = x2.shape
     GN, K = wq.shape
     N = GN // groups
     assert K % BLOCK == 0 and GK == groups * K, f"gemv: x {tuple(x2.shape)} vs w {tuple(wq.shape)} in {groups} groups"
+    assert norm is None or (groups == 1 and norm.weight.shape == (K,)), "gemv: norm= takes one group of K columns"
     bn = slab_rows(N, K * wq.element_size(), GN // (programs or GEMV_PROGRAMS))
     y = torch.empty(M, GN, dtype=x2.dtype, device=x2.device)
     if M:
-        x2 = x2.contiguous()
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         scaled = sw is not None
+        nw = {} if norm is None else {"NW": norm.weight.float().contiguous(), "eps": float(norm.eps), "NORM": True}
         _gemv_kernel[(GN // bn,)](x2, wq, sw.contiguous() if scaled else wq, y, M, N, x2.stride(0), wq.stride(0),
                                   y.stride(0), fp8_max(wq.dtype) if scaled else 1.0, K=K, BN=bn, NKBP=pow2(K // BLOCK),
-                                  ROWS=pow2(M), BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps or GEMV_WARPS, **pdl(x2))
+                                  ROWS=pow2(M), BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps or GEMV_WARPS, **nw,
+                                  **pdl(x2))
     return y
 
 
@@ -523,13 +537,26 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
     return y
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-    """x (..., K) -> (..., N) in x's dtype: quantize x per 1x128 tile, block-scaled FP8 GEMM, fp32 accumulation."""
+class Prenorm(NamedTuple):
+    """An RMSNorm module (weight (K,), eps; calling it norms rows) that a linear applies to its input first, passed
+    where a linear takes its input's quantized rows (`xq`): the rollout engine's q norm, which the wq_b GEMVs take
+    at a few rows instead of a launch of its own."""
+    norm: torch.nn.Module
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, norm=None) -> torch.Tensor:
+    """x (..., K) -> (..., N) in x's dtype: quantize x per 1x128 tile, block-scaled FP8 GEMM, fp32 accumulation.
+    norm: an RMSNorm of x first (Prenorm's module): in the GEMV kernel up to GEMV_ROWS rows on Triton, else a
+    call of it."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if norm is not None and not (x2.shape[0] <= GEMV_ROWS and use_triton(x2) and x2.shape[1] % BLOCK == 0):
+        return fp8_linear(norm(x), wq, sw)
     if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
         from .quant import dequant_fp8_block
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
+    if norm is not None:
+        return gemv(x2, wq, sw, norm=norm).view(*shape[:-1], wq.shape[0])
     return _linear_2d(x2, wq, sw).view(*shape[:-1], wq.shape[0])
 
 

@@ -399,15 +399,21 @@ if triton is not None:
     def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, E, stride_x, limit, fmax, N: tl.constexpr,
                          K: tl.constexpr, BN: tl.constexpr, NKBP: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
                          GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
-                         J0: tl.constexpr = 0, JN: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         J0: tl.constexpr = 0, JN: tl.constexpr = 0, PDL: tl.constexpr = False,
+                         EARLY: tl.constexpr = False):
         """Program (slot s, pn): rows [pn * BN, (pn + 1) * BN) of the slot's expert (token t = s // KT, its j-th
         slot: routed IDS[t, j] for j < KR, else the shared expert E - KT + j of the E), whole (BN, K) weight slabs
         in one load each and slab_dot, the GEMV kernel's product. GATED (up): Y[s, rows] = SwiGLU(x W1^T, x W3^T)
         for x token t's row of X, in Y's dtype (the tiled up kernel's arithmetic); else (down): Y[s, rows] =
         (X[s] W^T) times the slot's routing weight (1 for a shared expert), fp32. An id of E or more (another
         rank's expert) stores nothing: the sum skips that slot. JN > 0: the grid covers only slots J0 .. J0 + JN
-        - 1 of each token (the routed ones, or the shared ones, launched apart)."""
-        pdl_wait(PDL)
+        - 1 of each token (the routed ones, or the shared ones, launched apart).
+        EARLY (the down launch, not GATED): under PDL it reads its slots' expert ids, weight slabs and routing
+        weights before its wait, beside the up launch's last programs: only X is the up launch's; the rest was
+        written before it (the up programs release this launch after their own wait, as _moe_down_kernel's
+        OVERLAP relies on)."""
+        if not EARLY:
+            pdl_wait(PDL)
         s, pn = tl.program_id(0), tl.program_id(1)
         if JN > 0:
             s = s // JN * KT + J0 + s % JN
@@ -426,6 +432,10 @@ if triton is not None:
         sw = w
         if SCALED:
             sw = tl.load(SW + soff, mask=mk[None, :], other=0.0)
+        if not GATED:
+            wt = tl.load(WTS + t * KR + j, mask=j < KR, other=1.0)
+        if EARLY:
+            pdl_wait(PDL)  # X: the up launch's h
         x = tl.load(X + (t if GATED else s) * stride_x + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
                     other=0.0).to(tl.float32)
         y = slab_dot(w, sw, x, fmax, SCALED)
@@ -438,7 +448,6 @@ if triton is not None:
             u = tl.minimum(tl.maximum(slab_dot(w3, sw3, x, fmax, SCALED), -limit), limit)
             tl.store(Y + s * N + rn, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
         else:
-            wt = tl.load(WTS + t * KR + j, mask=j < KR, other=1.0)
             tl.store(Y + s * N + rn, y * wt)
 
 
@@ -479,7 +488,8 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
         _moe_gemv_kernel[(T * (jn or kt), N // bn)](
             X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
-            SCALED=scaled, BLOCK_K=BLOCK, J0=j0, JN=jn, num_warps=warps or MOE_GEMV_WARPS, **pdl(x))
+            SCALED=scaled, BLOCK_K=BLOCK, J0=j0, JN=jn, num_warps=warps or MOE_GEMV_WARPS,
+            EARLY=not gated and T == 1, **pdl(x))
     return rows
 
 

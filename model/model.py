@@ -34,7 +34,7 @@ from kernels import fused, mhc
 from kernels.attention import block_softmax, topk_first
 from kernels.logprob import head_logprob
 from kernels.moe import SlotRows, combine_rows
-from kernels.fp8_gemm import use_triton
+from kernels.fp8_gemm import Prenorm, use_triton
 from kernels.fused import fused_ok
 
 from .config import CSA, HCA, SLIDING, ModelConfig
@@ -158,8 +158,8 @@ class Linear(nn.Linear):
 
     def forward(self, x, xq=None):
         """xq: x's rows already quantized per 1x128 tile, where the caller has them: the rollout engine's FP8
-        holders take them instead of quantizing x; a plain weight reads x."""
-        return super().forward(x)
+        holders take them instead of quantizing x; a plain weight reads x. A Prenorm: x is to be normed first."""
+        return super().forward(xq.norm(x) if isinstance(xq, Prenorm) else x)
 
     def reset_parameters(self):
         if not self.weight.is_meta:  # nothing to fill on meta (and the fill would import torch._dynamo: seconds)
@@ -441,12 +441,15 @@ class Attention(nn.Module):
         q_res = self.q_lora(x)[0]
         return self.q_heads(q_res, cos, sin), q_res
 
-    def q_lora(self, x, a=None, fp8=None):
+    def q_lora(self, x, a=None, fp8=None, prenorm: bool = False):
         """x (B, T, D) -> q_res (B, T, q_lora) normed, and its rows quantized per 1x128 tile (q, scales) or None.
         a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x). fp8 (the
         FP8 engine's dtype, its wq_b an FP8 holder): the norm's kernel also quantizes the rows, for wq_b and the
-        indexer's (no act_quant launch; None where the kernel does not run)."""
+        indexer's (no act_quant launch; None where the kernel does not run). prenorm: q_res not yet normed, with
+        Prenorm(q_norm) for wq_b and the indexer's to apply (the FP8 engine's GEMVs at a few rows: no norm launch)."""
         a = self.wq_a(x) if a is None else a
+        if prenorm:
+            return a, Prenorm(self.q_norm)
         if fp8 is not None and fused_ok(a):
             return fused.rms_norm_quant(a, self.q_norm.weight, self.q_norm.eps, fp8)
         return self.q_norm(a), None

@@ -131,6 +131,19 @@ def test_fp8_holders_and_weight_updates(model):
         eng.update_weights([("layers.0.nope", torch.zeros(1))])
 
 
+def test_q_lora_prenorm_gives_the_normed_rows_to_both_wq_b(model):
+    """q_lora(prenorm=True): the rows un-normed with a Prenorm marker, which the layer's and the indexer's wq_b
+    (FP8 holders, and the model's plain linears) apply first: the same products as from the normed rows."""
+    eng = SimpleEngine(model, fp8=True, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for attn in (eng.model.layers[1].attn, model.layers[1].attn):  # a CSA layer (an indexer)
+        normed, _ = attn.q_lora(x)
+        raw, marker = attn.q_lora(x, prenorm=True)
+        assert torch.equal(raw, attn.wq_a(x)) and not torch.equal(raw, normed)
+        for lin in (attn.wq_b, attn.indexer.wq_b):
+            assert torch.equal(lin(raw, marker), lin(normed))
+
+
 def test_run_layers_side_stream_joins_first(model, monkeypatch):
     """A CUDA graph capture fails where the main stream waits on a side stream that no captured work has reached
     (cudaErrorStreamCaptureIsolation): run_layers must have the side stream wait on the main one before any join

@@ -126,6 +126,15 @@ def test_gemv(M, N, K, G):
     assert rel(gemv(xb, wq, ws, groups=G), want) < 4e-3
     w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
     assert rel(gemv(xb, w, None), xb.float() @ w.float().T) < 4e-3
+    if G == 1 and M <= 2:  # the RMSNorm of the rows first (Prenorm's), rows read in place from a column slice
+        from model.model import RMSNorm
+        nrm = RMSNorm(K, 1e-6).cuda()
+        nrm.weight.data = torch.rand(K, device="cuda", generator=g) + 0.5
+        xs = torch.randn(M, K + 256, device="cuda", generator=g).bfloat16()[:, 128:K + 128]
+        normed = nrm(xs.contiguous())
+        got = gemv(xs, wq, ws, norm=nrm)
+        assert rel(got, gemv(normed, wq, ws)) < 4e-3 and rel(got, fp8_gemm(*act_quant(normed, f8), wq.contiguous(),
+                                                                              ws.contiguous(), torch.bfloat16)) < 4e-3
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 17])

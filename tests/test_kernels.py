@@ -143,6 +143,15 @@ INTERPRETED = textwrap.dedent("""
         assert (gemv(xx_, wq_, ws_, groups=G) - want).abs().max() < 1e-5 * want.abs().max(), (xx_.shape, G)
     for xx_ in (x[:1], x[:2]):
         assert (gemv(xx_, w, None) - xx_ @ w.T).abs().max() < 1e-5 * (xx_ @ w.T).abs().max()
+    # with the RMSNorm of its rows first (Prenorm): rows read in place from a column slice, fp32 and bf16 rows
+    # (the normed row rounded to bf16 as the norm kernel stores it), against the norm then the GEMV
+    from model.model import RMSNorm
+    nrm = RMSNorm(256, 1e-6)
+    nrm.weight.data = torch.rand(256, generator=g) + 0.5
+    wide = torch.randn(2, 384, generator=g) * 4
+    for xx_ in (wide[:1, 64:320], wide[:, 64:320], wide[:, 64:320].bfloat16()):
+        want = gemv(nrm(xx_.contiguous()), wq, ws)
+        assert (gemv(xx_, wq, ws, norm=nrm) - want).abs().max() <= 1e-5 * want.abs().max(), xx_.shape
     from kernels.fp8_gemm import block_quant
     for wb in (torch.randn(300, 200, generator=g) * 0.1, torch.randn(3, 130, 256, generator=g)):
         q, s = block_quant(wb, torch.float8_e4m3fn)
