@@ -145,27 +145,57 @@ def kernel_shares(events) -> dict:
     return kern
 
 
-def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prompt_len: int = 64) -> str:
+def step_trace(events, markers=("_to_host_kernel", "Memcpy DtoH")) -> str:
+    """events (name, start, end) of several decode steps -> one step's kernels in start order, a line each: its
+    start (us from the step's first), duration, gap (its start less the latest end before it: negative where it
+    started early, under PDL or on the other stream), name. A step ends with the first of `markers` found (the
+    kernel writing the step's outputs to the host; without zero-copy outputs their copies, a run of them one end);
+    the step taken is the middle one of those between two ends (steady state, not the run's first or last)."""
+    ev = sorted(events, key=lambda e: e[1])
+    for marker in markers:
+        ends = [i for i, e in enumerate(ev) if marker in e[0] and not (i + 1 < len(ev) and marker in ev[i + 1][0])]
+        if len(ends) >= 2:
+            break
+    else:
+        raise ValueError(f"step_trace: fewer than two step ends ({' or '.join(markers)}) among {len(ev)} events")
+    mid = len(ends) // 2
+    step = ev[ends[mid - 1] + 1:ends[mid] + 1]
+    t0, last = step[0][1], step[0][1]
+    lines, idle = [], 0.0
+    for name, start, end in step:
+        lines.append(f"  {start - t0:8.1f} {end - start:7.1f} {start - last:7.1f}  {name[:100]}")
+        idle += max(0.0, start - last)
+        last = max(last, end)
+    return "\n".join([f"{len(step)} kernels, {last - t0:.1f} us from the first start to the last end, {idle:.1f} us "
+                      "with none running; start, duration, gap (us), kernel:"] + lines)
+
+
+def _profiled(eng, prompt, n: int) -> tuple[float, list]:
+    """Wall seconds and CUDA events (name, start, end) of eng.generate(prompt) for n new tokens, profiled."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return wall, [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prompt_len: int = 64,
+                   trace: bool = False) -> str:
     """CUDA kernels of batch-B decode steps as the engine runs them (graphs on): two profiled runs of the same prompts
     (prompt_len tokens, fewer where max_len has no room) that differ only in `steps` extra decode steps; their
     difference, per step. Each kernel's share of the time some kernel was running (kernel_shares; on one chain of
     dependent kernels, the critical path less the idle gaps) beside its summed durations, which overcount: under PDL a
-    kernel starts while the one before runs and waits for it."""
-    from torch.profiler import ProfilerActivity, profile
+    kernel starts while the one before runs and waits for it. trace: then one step's kernels in order (step_trace)."""
     eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=max_len)
     prompt_len = max(1, min(prompt_len, max_len - steps - 2))  # room for the 2 + steps new tokens
     prompt = [list(range(1 + i, 1 + i + prompt_len)) for i in range(B)]
     eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    runs = []
-    for n in (2, 2 + steps):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        runs.append((wall, kernel_shares((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                                         if e.device_type.name == "CUDA")))
+    runs = [_profiled(eng, prompt, n) for n in (2, 2 + steps)]
+    order = step_trace(runs[1][1]) if trace else ""
+    runs = [(wall, kernel_shares(ev)) for wall, ev in runs]
     (w0, k0), (w1, k1) = runs
     rows = sorted(((*(a - b for a, b in zip(k1[k], k0.get(k, (0, 0.0, 0.0)))), k) for k in k1),
                   key=lambda r: -r[2])
@@ -176,6 +206,8 @@ def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prom
              f"{1e6 * (w1 - w0) / steps:.0f} us a step; by kernel: share of the running time, summed time, launches"]
     for cnt, us, crit, k in rows[:30]:
         lines.append(f"  {crit / steps:8.1f} us  {us / steps:8.1f} us  {cnt / steps:6.1f}x  {k[:100]}")
+    if trace:
+        lines.append(f"one batch-{B} step in order: {order}")
     del eng
     return "\n".join(lines)
 
@@ -196,6 +228,8 @@ def main(argv=None):
                     "at the timed runs' mean context (--prompt-len + --gen-len / 2) "
                     "(with programmatic dependent launch a kernel's time includes its wait for the one before: "
                     "KERNELS_PDL=0 gives each kernel's own)")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also one decode step's kernels in start "
+                    "order, with their durations and the gaps between them")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -218,6 +252,8 @@ def main(argv=None):
         if kind not in ("fp8", "bf16") or len(sizes("--profile", b)) != 1:
             ap.error(f"--profile {args.profile!r}: B:fp8 or B:bf16 items separated by commas")
         profiles.append((int(b), kind))
+    if args.trace and not profiles:
+        ap.error("--trace: with --profile B:fp8|bf16 (the decode steps it traces)")
     if args.gen_len < 2 or args.prompt_len < 1:
         ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens, a 1-token "
                  "prompt")
@@ -245,8 +281,8 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache()
     for B, kind in profiles:
-        print(profile_decode(model, max_len, B, kind == "fp8", prompt_len=args.prompt_len + args.gen_len // 2),
-              flush=True)
+        print(profile_decode(model, max_len, B, kind == "fp8", prompt_len=args.prompt_len + args.gen_len // 2,
+                             trace=args.trace), flush=True)
     if ctxs and args.long_batch:
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,
                      max_model_len=max(ctxs) + args.long_gen + 1)

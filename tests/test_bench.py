@@ -1,7 +1,9 @@
 """The benchmarks' own arithmetic (their GPU runs are in bench/; this is what they compute from the events)."""
 import random
 
-from bench.rollout import kernel_shares
+import pytest
+
+from bench.rollout import kernel_shares, step_trace
 
 
 def _busy(iv):
@@ -25,3 +27,21 @@ def test_kernel_shares_count_overlap_once():
         k = kernel_shares(ev)
         assert abs(sum(v[2] for v in k.values()) - _busy([(s, e) for _, s, e in ev])) < 1e-9
         assert all(0 <= v[2] <= v[1] + 1e-12 for v in k.values()) and sum(v[0] for v in k.values()) == 30
+
+
+def test_step_trace_takes_a_middle_step_in_start_order():
+    # four steps of (x, y started 2 us early under PDL, to_host), 100 us apart, listed out of order; the step
+    # taken is the one between the 2nd and 3rd ends (x at 200), its times from its first start
+    ev = [(n, 100 * i + s, 100 * i + e) for i in range(4)
+          for n, s, e in (("_to_host_kernel", 90, 95), ("y", 8, 20), ("x", 0, 10))][::-1]
+    out = step_trace(ev).splitlines()
+    assert out[0].startswith("3 kernels, 95.0 us from the first start to the last end, 70.0 us with none running")
+    assert [line.split() for line in out[1:]] == [["0.0", "10.0", "0.0", "x"], ["8.0", "12.0", "-2.0", "y"],
+                                                 ["90.0", "5.0", "70.0", "_to_host_kernel"]]
+    # without zero-copy outputs the steps end with their device-to-host copies (a run of them: one end)
+    cp = [(n.replace("_to_host_kernel", "Memcpy DtoH (Device -> Pinned)"), s, e) for n, s, e in ev]
+    cp += [("Memcpy DtoH (Device -> Pinned)", s + 6, e + 2) for n, s, e in cp if n.startswith("Memcpy")]
+    out = step_trace(cp).splitlines()
+    assert out[0].startswith("4 kernels, 97.0 us") and out[1].split()[3] == "x" and out[4].split()[:2] == ["96.0", "1.0"]
+    with pytest.raises(ValueError, match="fewer than two step ends"):
+        step_trace(ev[:4])
