@@ -545,7 +545,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
                pre=None):
     """Every per-token operation of the model over packed tokens ids/pos (N,); attention(li, attn, h (1, N, D),
     tables, hq) supplies the sequence-aware part. -> logits in the head's dtype (`sample` reads them as they are)
-    of the tokens last (a list of indices; None: all N), routing (N, L, k) long. Each hc_post also gives the next
+    of the tokens last (a list of indices; None: all N), routing (N, L, k) uint8. Each hc_post also gives the next
     mHC's mix partials (hc_post_mix). fp8: the FP8 engine's dtype: past GEMV_ROWS tokens (the GEMV kernels
     quantize their rows themselves) the mHC pre kernels also give their rows quantized, hq (or None), for the
     attention's FP8 input GEMM and the experts, instead of an act_quant launch each. side (a CUDA stream): each
@@ -569,19 +569,21 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     if side is not None:  # the side stream joins the step first: a join before any work went there (the first mHC
         # pre runs on one stream) must not wait on work outside a graph being captured
         side.wait_stream(torch.cuda.current_stream(ids.device))
-    routing, part = [], None
+    part = None
+    routing = torch.empty(ids.numel(), len(model.layers), model.cfg.num_experts_per_tok, dtype=torch.uint8,
+                          device=ids.device)
     for li, blk in enumerate(model.layers):
         h, post, comb, hq = hc(blk, "attn", x, part)
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
-        y, idx = blk.ffn(h, ids[None], xq=hq, summed=False, side=side)  # (post_mix joins side, sums the slot rows)
+        # (post_mix joins side, sums the slot rows; the router writes the layer's routing rows)
+        y, _ = blk.ffn(h, ids[None], xq=hq, summed=False, side=side, routing=routing[:, li])
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
-        routing.append(idx[0])
     x = x[0]
     if last is not None:
         x, part = x[last], None if part is None else part[last]
-    return model.head(model.hc_head(x, part)), torch.stack(routing, 1)
+    return model.head(model.hc_head(x, part)), routing
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
@@ -829,7 +831,7 @@ class SimpleEngine:
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]])
-        routing = routing.to(torch.uint8).cpu()
+        routing = routing.cpu()
         index = None if rec is None else rec.rows(len(ids), dev).cpu()
         for i, s in enumerate(seqs):
             s.routing.append(routing[bounds[i]:bounds[i + 1]])
@@ -1210,7 +1212,7 @@ class Runner:
             return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]], self.fp8)
-        return logits, routing.to(torch.uint8), bounds, None if rec is None else rec.rows(len(ids), dev)
+        return logits, routing, bounds, None if rec is None else rec.rows(len(ids), dev)
 
     # -- decode -----------------------------------------------------------------------------------------
     def _compress_step(self, li, comp, prefix, kv, gate, pos, slots, table, pool, wrope):
@@ -1311,7 +1313,7 @@ class Runner:
         def attention(li, attn, h, tables, hq=None):
             return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec)
         logits, routing = run_layers(m, ids, pos, attention, fp8=self.fp8, side=self.side, pre=(tables, x))
-        out = {"logits": logits, "routing": routing.to(torch.uint8)}
+        out = {"logits": logits, "routing": routing}
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)
         temps = inp[5].view(torch.float64)  # (the kernel rounds them to fp32 itself)

@@ -361,10 +361,12 @@ if triton is not None:
     @triton.jit
     def _route_kernel(PART, BIAS, HASH, TOKS, WOUT, IOUT, scale, E: tl.constexpr, EP: tl.constexpr,
                       SPLIT: tl.constexpr, SB: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUNC: tl.constexpr,
-                      HASHED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+                      HASHED: tl.constexpr, NORM: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False,
+                      ROUT=None, stride_r=0):
         """One token: logits (the SPLIT partials of _hc_mix_kernel, summed) -> scores (FUNC 0 softmax,
         1 sigmoid, 2 sqrt(softplus)), the top K of scores + bias (or the hash layer's K ids: row TOKS[t] of its
-        table HASH), their scores normalized (NORM) and scaled."""
+        table HASH), their scores normalized (NORM) and scaled. ROUT: the ids also as uint8, row t at t *
+        stride_r."""
         pdl_wait(PDL)
         t = tl.program_id(0)
         re = tl.arange(0, EP)
@@ -400,17 +402,21 @@ if triton is not None:
             w = w / (tl.sum(w, 0) + 1e-20)
         tl.store(WOUT + t * K + rk, w * scale, mask=rk < K)
         tl.store(IOUT + t * K + rk, ids.to(tl.int64), mask=rk < K)
+        if ROUT is not None:
+            tl.store(ROUT + t * stride_r + rk, ids.to(tl.uint8), mask=rk < K)
 
 
 _SCORE_FUNC = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
-def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, hash_table=None, tokens=None):
+def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, hash_table=None, tokens=None,
+          rows=None):
     """The router at inference (model.Gate's twin without replay): x (M, D), weight (E, D), bias (E,) fp32 ->
     weights (M, k) fp32, expert ids (M, k) int64, the ids in descending order of score + bias (hash layers: the
     rows of hash_table (V, k) at the M token ids tokens, in their order, read by the kernel). Two launches: the
     fp32 product as split partials, then one program per token for the scores and the top-k (torch took two
-    casts, an fp32 GEMM, its split-K reduction and ~8 elementwise, top-k and gather kernels)."""
+    casts, an fp32 GEMM, its split-K reduction and ~8 elementwise, top-k and gather kernels). rows: an (M, k)
+    uint8 tensor (any row stride) the kernel also writes the ids into (the engine's routing rows)."""
     M, E = x.shape[0], weight.shape[0]
     w = torch.empty(M, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, k, dtype=torch.int64, device=x.device)
@@ -422,7 +428,7 @@ def route(x, weight, bias, k: int, score_func: str, norm: bool, scale: float, ha
                             float(scale), E=E, EP=part.shape[2], SPLIT=part.shape[1],
                             SB=max(1, min(32, 1024 // part.shape[2])), K=k, KP=max(2, pow2(k)),
                             FUNC=_SCORE_FUNC[score_func], HASHED=hashed, NORM=norm, LIBDEVICE=x.is_cuda,
-                            num_warps=1, **pdl(part))
+                            num_warps=1, ROUT=rows, stride_r=0 if rows is None else rows.stride(0), **pdl(part))
     return w, ids
 
 

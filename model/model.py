@@ -588,14 +588,16 @@ class Gate(nn.Module):
             return logits.sigmoid()
         return F.softplus(logits).sqrt()
 
-    def forward(self, x, input_ids=None, replay=None, token_mask=None):
-        """x (N, D), input_ids (N,), replay (N, k) or None -> weights (N, k) fp32, ids (N, k) long.
+    def forward(self, x, input_ids=None, replay=None, token_mask=None, rows=None):
+        """x (N, D), input_ids (N,), replay (N, k) or None -> weights (N, k) fp32, ids (N, k) long. rows: an (N, k)
+        uint8 tensor the ids are also written into (the rollout engine's routing rows; by the kernel on a GPU).
 
         With replay, `replay_stats` accumulates (tokens whose own top-k set differs from the replayed one,
         tokens) over the real tokens (token_mask), for the actor's routing-mismatch metric."""
         if replay is None and fused_ok(x):  # inference on a GPU: two kernels (fused.route); the code below its twin
             return fused.route(x, self.weight, None if self.hash else self.bias, self.topk, self.score_func,
-                               self.norm_topk, self.route_scale, *((self.tid2eid, input_ids) if self.hash else ()))
+                               self.norm_topk, self.route_scale, *((self.tid2eid, input_ids) if self.hash else
+                                                                   (None, None)), rows=rows)
         s = self.scores(x)
         if self.hash:
             idx = self.tid2eid[input_ids].long()
@@ -614,6 +616,8 @@ class Gate(nn.Module):
         w = s.gather(1, idx)
         if self.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        if rows is not None:
+            rows.copy_(idx)
         return w * self.route_scale, idx
 
 
@@ -754,9 +758,10 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         self.shared_in_experts = False  # the rollout engine's grouped kernel runs the shared expert too
 
-    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None, summed=True, side=None):
+    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None, summed=True, side=None, routing=None):
         """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k). xq: x's rows
         quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts).
+        routing: a (B * T, k) uint8 tensor the gate also writes the ids into (the rollout engine's routing rows).
         summed=False (the rollout engine's, for hc_post_mix): y may be the experts' slot rows unsummed
         (kernels.moe.SlotRows, flat over B * T), where the experts give them and nothing is added to them.
         side (a CUDA stream; the rollout engine's, which joins it before y is read), with summed=False: experts
@@ -767,7 +772,7 @@ class MoE(nn.Module):
         beside = getattr(self.experts, "shared_beside", None) if side is not None and not summed else None
         rows = beside(flat, self.gate.topk, side) if beside is not None else None
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
-                           None if token_mask is None else token_mask.reshape(-1))
+                           None if token_mask is None else token_mask.reshape(-1), routing)
         shared = self.shared_experts is not None and not self.shared_in_experts
         kw = {} if xq is None else {"xq": xq}
         if not (summed or shared) and getattr(self.experts, "gives_slot_rows", False):  # (the rollout engine's)

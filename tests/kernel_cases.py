@@ -87,8 +87,9 @@ def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, 
 
 def route_case(device, M: int, D: int, E: int, k: int, score_func: str, hashed: bool, norm: bool = True,
                seed: int = 0) -> tuple[int, float]:
-    """kernels.fused.route against model.Gate's torch path on bf16 inputs. -> (tokens whose expert set differs,
-    max difference of the weights, each matched to its expert id)."""
+    """kernels.fused.route against model.Gate's torch path on bf16 inputs, each also writing its ids as uint8 routing
+    rows into a layer's column of an (M, 3, k) buffer. -> (tokens whose expert set differs or whose rows differ from
+    its ids, or whose other columns changed; max difference of the weights, each matched to its expert id)."""
     from kernels import fused
     from model.model import Gate
     g = torch.Generator().manual_seed(seed)
@@ -105,10 +106,15 @@ def route_case(device, M: int, D: int, E: int, k: int, score_func: str, hashed: 
     gate.bias = None if hashed else gate.bias.float()
     x = torch.randn(M, D, generator=g).to(device=device, dtype=torch.bfloat16)
     ids = torch.randint(0, 50, (M,), generator=g).to(device)
-    w1, i1 = fused.route(x, gate.weight, gate.bias, k, score_func, norm, 1.5, *((gate.tid2eid, ids) if hashed else ()))
-    w2, i2 = gate(x, ids)
+    r1, r2 = (torch.full((M, 3, k), 255, dtype=torch.uint8, device=device) for _ in range(2))
+    w1, i1 = fused.route(x, gate.weight, gate.bias, k, score_func, norm, 1.5, *((gate.tid2eid, ids) if hashed else ()),
+                         rows=r1[:, 1])
+    w2, i2 = gate(x, ids, rows=r2[:, 1])
     o1, o2 = i1.sort(-1), i2.sort(-1)
-    bad = int((o1.values != o2.values).any(-1).sum())
+    bad = (o1.values != o2.values).any(-1)
+    for r, i in ((r1, i1), (r2, i2)):
+        bad |= (r[:, 1] != i.to(torch.uint8)).any(-1) | (r[:, 0::2] != 255).flatten(1).any(-1)
+    bad = int(bad.sum())
     dw = (w1.gather(1, o1.indices) - w2.gather(1, o2.indices)).abs().max().item() if M else 0.0
     return bad, dw
 
