@@ -550,13 +550,13 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, norm=None) -
     call of it."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if norm is not None and not (x2.shape[0] <= GEMV_ROWS and use_triton(x2) and x2.shape[1] % BLOCK == 0):
+    if norm is not None:
+        if x2.shape[0] <= GEMV_ROWS and use_triton(x2) and x2.shape[1] % BLOCK == 0:
+            return gemv(x2, wq, sw, norm=norm).view(*shape[:-1], wq.shape[0])
         return fp8_linear(norm(x), wq, sw)
     if x2.shape[1] % BLOCK:  # K not a multiple of 128 (tiny test models): dequantize the weight instead
         from .quant import dequant_fp8_block
         return torch.nn.functional.linear(x, dequant_fp8_block(wq, sw, x.dtype))
-    if norm is not None:
-        return gemv(x2, wq, sw, norm=norm).view(*shape[:-1], wq.shape[0])
     return _linear_2d(x2, wq, sw).view(*shape[:-1], wq.shape[0])
 
 

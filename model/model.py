@@ -446,7 +446,7 @@ class Attention(nn.Module):
         a: wq_a(x) where the caller has it (the rollout engine's one GEMM over every linear reading x). fp8 (the
         FP8 engine's dtype, its wq_b an FP8 holder): the norm's kernel also quantizes the rows, for wq_b and the
         indexer's (no act_quant launch; None where the kernel does not run). prenorm: q_res not yet normed, with
-        Prenorm(q_norm) for wq_b and the indexer's to apply (the FP8 engine's GEMVs at a few rows: no norm launch)."""
+        Prenorm(q_norm) for wq_b and the indexer's to apply (the FP8 engine's GEMVs at one row: no norm launch)."""
         a = self.wq_a(x) if a is None else a
         if prenorm:
             return a, Prenorm(self.q_norm)
