@@ -489,9 +489,16 @@ def spy(name, i):
     setattr(fused, name, run)
 spy("hc_pre", 3)
 spy("rms_norm_quant", 1)
+from kernels import fp8_gemm
+gemv = fp8_gemm.gemv
+def gemv_spy(*a, **k):  # the one-row steps' wq_b GEMVs that take the q norm (Prenorm)
+    quantized["gemv_norm"] = quantized.get("gemv_norm", 0) + (k.get("norm") is not None)
+    return gemv(*a, **k)
+fp8_gemm.gemv = gemv_spy
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (5, 30, 41)]
-sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+# the last prompt's one more token: a one-row decode step (the GEMV paths, the norm in wq_b's)
+sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 5, 6)]
 kw = dict(fp8=True, dtype=torch.float32, device="cpu", record_index=True)
 a = Engine(m, max_model_len=128, **kw).generate(prompts, sp)
 b = SimpleEngine(m, **kw).generate(prompts, sp)
@@ -499,7 +506,7 @@ for x, y in zip(a, b):
     assert x.token_ids == y.token_ids and torch.equal(x.routed_experts, y.routed_experts)
     assert torch.equal(x.index_entries, y.index_entries)
 assert int(a[-1].index_entries.max()) >= 4  # past 4 entries the indexer chooses among them
-assert quantized["hc_pre"] > 0 and quantized["rms_norm_quant"] > 0, quantized
+assert quantized["hc_pre"] > 0 and quantized["rms_norm_quant"] > 0 and quantized["gemv_norm"] > 0, quantized
 print("ok")
 """)
 
@@ -507,8 +514,8 @@ print("ok")
 def test_fp8_paged_engine_under_the_interpreter():
     """The paged FP8 engine on the decode path's Triton kernels (3 rows a step, widths in 128s: the mHC pre and
     q-norm kernels' quantized rows feed the FP8 linears and the experts; the index_topk kernel's choices
-    recorded) against the simple engine: tokens, routing and the indexer's choices. CPU, a few minutes (skipped
-    without Triton, as on CI)."""
+    recorded; then a one-row step: the GEMV kernels, wq_b's taking the q norm) against the simple engine: tokens,
+    routing and the indexer's choices. CPU, a few minutes (skipped without Triton, as on CI)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", ENGINE_INTERPRETED], capture_output=True, text=True, env=env,
