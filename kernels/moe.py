@@ -412,6 +412,7 @@ if triton is not None:
         weights before its wait, beside the up launch's last programs: only X is the up launch's; the rest was
         written before it (the up programs release this launch after their own wait, as _moe_down_kernel's
         OVERLAP relies on)."""
+        tl.static_assert(not (EARLY and GATED), "EARLY: the down launch only (the up launch's ids are its own wait's)")
         if not EARLY:
             pdl_wait(PDL)
         s, pn = tl.program_id(0), tl.program_id(1)
