@@ -55,7 +55,7 @@ from kernels.attention import decode_attention, index_scores, index_topk, topk_f
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
                               small_linear, use_triton)
-from kernels.moe import fused_moe, moe_gemv_shared, moe_kernels_take
+from kernels.moe import fused_moe, moe_gemv_early, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, to_host
 from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
@@ -341,19 +341,18 @@ class EngineExperts(nn.Module):
 
     gives_slot_rows = True  # forward(summed=False) may give fused_moe's SlotRows (MoE.forward asks for them)
 
-    def shared_beside(self, x, k: int, side):
-        """The folded shared expert's slots of a few tokens (fused_moe's GEMV path), launched on stream side before
-        the routing is known (moe_gemv_shared) -> rows for forward, or None (no folded shared expert, expert
-        parallelism, or more tokens than the GEMV path takes). The caller joins side before the output is read."""
+    def early_rows(self, x, k: int):
+        """fused_moe's buffers for x's slots made before the routing (moe_gemv_early), whose shared slots then run
+        beside the router -> rows for forward, or None (no folded shared expert, expert parallelism, or more tokens
+        than the GEMV path takes). The caller makes them before it launches the router."""
         if self.group is not None:
             return None
-        return moe_gemv_shared(x, k, self.w1, self.w2, self.w3, self.s1, self.s2, self.s3, self.limit,
-                               self.n_shared, stream=side)
+        return moe_gemv_early(x, k, self.w1, self.n_shared)
 
     def forward(self, x, idx, w, xq=None, summed=True, rows=None):
         """xq: x already quantized per 1x128 tile, (q, scales) (FP8 experts; fused_moe's xq). summed=False: the
         slot rows may come back unsummed (fused_moe's SlotRows; summed here under expert parallelism). rows:
-        shared_beside's, whose slots the routed ones join."""
+        early_rows', made before the router."""
         if self.group is not None:  # other ranks' experts -> the skipped bucket
             idx = idx - self.expert_offset
             idx = torch.where((idx >= 0) & (idx < self.n_local), idx, torch.full_like(idx, self.n_local))
@@ -577,7 +576,7 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
         x, part = post_mix(attention(li, blk.attn, h, tables, hq), x, post, comb, blk.hc_ffn_fn)
         h, post, comb, hq = hc(blk, "ffn", x, part)
         # (post_mix joins side, sums the slot rows; the router writes the layer's routing rows)
-        y, _ = blk.ffn(h, ids[None], xq=hq, summed=False, side=side, routing=routing[:, li])
+        y, _ = blk.ffn(h, ids[None], xq=hq, summed=False, routing=routing[:, li])
         nxt = model.layers[li + 1].hc_attn_fn if li + 1 < len(model.layers) else model.hc_head_fn
         x, part = post_mix(y, x, post, comb, nxt)
     x = x[0]

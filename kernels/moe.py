@@ -399,31 +399,47 @@ if triton is not None:
     def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, E, stride_x, limit, fmax, N: tl.constexpr,
                          K: tl.constexpr, BN: tl.constexpr, NKBP: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
                          GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
-                         J0: tl.constexpr = 0, JN: tl.constexpr = 0, PDL: tl.constexpr = False,
-                         EARLY: tl.constexpr = False):
-        """Program (slot s, pn): rows [pn * BN, (pn + 1) * BN) of the slot's expert (token t = s // KT, its j-th
-        slot: routed IDS[t, j] for j < KR, else the shared expert E - KT + j of the E), whole (BN, K) weight slabs
-        in one load each and slab_dot, the GEMV kernel's product. GATED (up): Y[s, rows] = SwiGLU(x W1^T, x W3^T)
-        for x token t's row of X, in Y's dtype (the tiled up kernel's arithmetic); else (down): Y[s, rows] =
-        (X[s] W^T) times the slot's routing weight (1 for a shared expert), fp32. An id of E or more (another
-        rank's expert) stores nothing: the sum skips that slot. JN > 0: the grid covers only slots J0 .. J0 + JN
-        - 1 of each token (the routed ones, or the shared ones, launched apart).
+                         PDL: tl.constexpr = False, EARLY: tl.constexpr = False, n_tok=0,
+                         SHARED_FIRST: tl.constexpr = False, R: tl.constexpr = 1):
+        """Program (slot s, pn): rows [pn * R * BN, (pn + 1) * R * BN) of the slot's expert (token t = s // KT, its
+        j-th slot: routed IDS[t, j] for j < KR, else the shared expert E - KT + j of the E), R whole (BN, K) weight
+        slabs, each in one load, and slab_dot, the GEMV kernel's product. GATED (up): Y[s, rows] = SwiGLU(x W1^T,
+        x W3^T) for x token t's row of X, in Y's dtype (the tiled up kernel's arithmetic), the next slab's loads
+        issued before this one's products (R > 1); else (down, R 1): Y[s, rows] = (X[s] W^T) times the slot's
+        routing weight (1 for a shared expert), fp32. An id of E or more (another rank's expert) stores nothing:
+        the sum skips that slot.
+        SHARED_FIRST (the up launch, a 1-D grid over n_tok tokens): the shared slots' programs come first and do
+        not wait under PDL, so they run beside the kernel before (the router's last): what they read (X, the
+        weights) was written before that kernel, and what they write (Y) is no memory it uses (moe_gemv_early).
         EARLY (the down launch, not GATED): under PDL it reads its slots' expert ids, weight slabs and routing
         weights before its wait, beside the up launch's last programs: only X is the up launch's; the rest was
-        written before it (the up programs release this launch after their own wait, as _moe_down_kernel's
-        OVERLAP relies on)."""
+        written before it (the up programs that read ids release this launch after their own wait, as
+        _moe_down_kernel's OVERLAP relies on)."""
         tl.static_assert(not (EARLY and GATED), "EARLY: the down launch only (the up launch's ids are its own wait's)")
-        if not EARLY:
-            pdl_wait(PDL)
-        s, pn = tl.program_id(0), tl.program_id(1)
-        if JN > 0:
-            s = s // JN * KT + J0 + s % JN
+        tl.static_assert(not SHARED_FIRST or (GATED and KT > KR), "SHARED_FIRST: an up launch with shared slots")
+        tl.static_assert(R == 1 or GATED, "R: the up launch's")
+        NPR: tl.constexpr = N // BN // R  # programs a slot
+        if SHARED_FIRST:  # a 1-D grid: the n_tok tokens' shared slots first, without the wait
+            L = tl.program_id(0)
+            NS: tl.constexpr = KT - KR
+            nsh = n_tok * NS * NPR
+            if L < nsh:
+                q = L // NPR
+                s, pn = q // NS * KT + KR + q % NS, L % NPR
+            else:
+                q = (L - nsh) // NPR
+                s, pn = q // KR * KT + q % KR, (L - nsh) % NPR
+                pdl_wait(PDL)
+        else:
+            if not EARLY:
+                pdl_wait(PDL)
+            s, pn = tl.program_id(0), tl.program_id(1)
         t, j = s // KT, s % KT
         e = tl.where(j < KR, tl.load(IDS + t * KR + j, mask=j < KR, other=0), E - KT + j).to(tl.int64)
         if e >= E:
             return
         NKB: tl.constexpr = K // BLOCK_K
-        rn = pn * BN + tl.arange(0, BN)
+        rn = pn * R * BN + tl.arange(0, BN)
         kb = tl.arange(0, NKBP)
         mk = kb < NKB
         rk = tl.arange(0, BLOCK_K)
@@ -435,21 +451,34 @@ if triton is not None:
             sw = tl.load(SW + soff, mask=mk[None, :], other=0.0)
         if not GATED:
             wt = tl.load(WTS + t * KR + j, mask=j < KR, other=1.0)
-        if EARLY:
-            pdl_wait(PDL)  # X: the up launch's h
-        x = tl.load(X + (t if GATED else s) * stride_x + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
-                    other=0.0).to(tl.float32)
-        y = slab_dot(w, sw, x, fmax, SCALED)
-        if GATED:
+            if EARLY:
+                pdl_wait(PDL)  # X: the up launch's h
+            x = tl.load(X + s * stride_x + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
+                        other=0.0).to(tl.float32)
+            tl.store(Y + s * N + rn, slab_dot(w, sw, x, fmax, SCALED) * wt)
+        else:
             w3 = tl.load(W3 + woff, mask=mk[None, :, None], other=0.0)
             sw3 = w3
             if SCALED:
                 sw3 = tl.load(SW3 + soff, mask=mk[None, :], other=0.0)
-            g = tl.minimum(y, limit)
-            u = tl.minimum(tl.maximum(slab_dot(w3, sw3, x, fmax, SCALED), -limit), limit)
-            tl.store(Y + s * N + rn, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
-        else:
-            tl.store(Y + s * N + rn, y * wt)
+            x = tl.load(X + t * stride_x + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
+                        other=0.0).to(tl.float32)
+            for r in tl.static_range(R):  # R slabs, the next one's loads issued before this one's products
+                if r + 1 < R:
+                    rn_n = rn + (r + 1) * BN
+                    woff = (e * N + rn_n)[:, None, None] * K + kb[None, :, None] * BLOCK_K + rk[None, None, :]
+                    w_n = tl.load(W + woff, mask=mk[None, :, None], other=0.0)
+                    w3_n = tl.load(W3 + woff, mask=mk[None, :, None], other=0.0)
+                    sw_n, sw3_n = w_n, w3_n
+                    if SCALED:
+                        soff = (e * (N // BLOCK_K) + rn_n // BLOCK_K)[:, None] * NKB + kb[None, :]
+                        sw_n = tl.load(SW + soff, mask=mk[None, :], other=0.0)
+                        sw3_n = tl.load(SW3 + soff, mask=mk[None, :], other=0.0)
+                g = tl.minimum(slab_dot(w, sw, x, fmax, SCALED), limit)
+                u = tl.minimum(tl.maximum(slab_dot(w3, sw3, x, fmax, SCALED), -limit), limit)
+                tl.store(Y + s * N + rn + r * BN, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
+                if r + 1 < R:
+                    w, w3, sw, sw3 = w_n, w3_n, sw_n, sw3_n
 
 
 # fused_moe takes the GEMV kernels up to this many tokens: a few slots, each reading its expert's whole weights.
@@ -462,41 +491,46 @@ MOE_GEMV_TOKENS = 2
 # 22.9 for the dense GEMV's 32 KB on 8 warps, 2 tokens 35.4 against 38.7); the engine's FP8 step at batch 1 1.06 ->
 # 1.03 ms, batch 2 1.30 -> 1.28, BF16 batch 1 1.22 -> 1.20
 MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
+# the up programs' slabs, the next one's loads in flight during this one's products: at one token (FP8, mini) 896
+# programs of 159 registers (3 an SM) against 1,792 of 91 (5 an SM). The engine's steps: see moe_gemv_early (2
+# slabs with the shared slots launched apart were slower at one token, 1,111 / 1,112 tok/s; 4 slabs, 167 registers,
+# with the shared slots first 1,147 / 1,145)
+MOE_GEMV_REPS = 2
 
 
 def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, slab: int | None = None,
-              warps: int | None = None, slots: str = "all", rows: SlotRows | None = None) -> SlotRows:
-    """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, one program
-    per (slot, slab of weight rows), -> the slot rows (SlotRows). fused_moe's numerics with the products' sums in
-    another order.
-    slab, warps: a program's most weight bytes and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS).
-    slots: "all", or only "shared" / "routed" ones (the same bits a slot), into rows' buffers (moe_gemv_rows)."""
+              warps: int | None = None, rows: SlotRows | None = None, reps: int | None = None) -> SlotRows:
+    """The routed + shared experts of a few tokens: up (+ SwiGLU) and down through _moe_gemv_kernel, programs of
+    (slot, reps slabs of weight rows) up, (slot, slab) down, -> the slot rows (SlotRows). fused_moe's numerics
+    with the products' sums in another order.
+    slab, warps: a program's most weight bytes (a slab) and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS);
+    reps: the up programs' slabs (default MOE_GEMV_REPS; the same bits). rows: moe_gemv_early's for x, whose
+    buffers take the slots: the up launch's shared slots then go first, without waiting for the kernel before."""
     T, D = x.shape
     E, I, _ = w1.shape
-    if rows is None:
-        rows = moe_gemv_rows(x, ids, w1, n_shared)
+    first = rows is not None and rows.kt > rows.k
+    rows = moe_gemv_rows(x, ids, w1, n_shared) if rows is None else rows._replace(ids=ids.contiguous())
     k, kt = rows.k, rows.kt
-    j0, jn = {"all": (0, 0), "routed": (0, k), "shared": (k, kt - k)}[slots]
     scaled = s1 is not None
-    # (only the routed slots read ids and weights: the shared ones take empty stand-ins of their dtypes)
-    ids = rows.ids if rows.ids is not None else torch.empty(0, dtype=torch.int64, device=x.device)
-    wts = weights.float().contiguous() if weights is not None else rows.y[:0]
+    wts = weights.float().contiguous()
     h, y = rows.h, rows.y
     x = x.contiguous()
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
-    for X, W, S, W3, S3, Y, N, K, gated in launches if T * (jn or kt) else ():
+    for X, W, S, W3, S3, Y, N, K, gated in launches if T * kt else ():
         bn = slab_rows(N, K * W.element_size() * (2 if gated else 1), slab=slab or MOE_GEMV_SLAB)
-        _moe_gemv_kernel[(T * (jn or kt), N // bn)](
-            X, ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
+        r = divisor_at_most(N // bn, reps or MOE_GEMV_REPS) if gated else 1
+        npr = N // bn // r
+        _moe_gemv_kernel[(T * kt * npr,) if first and gated else (T * kt, npr)](
+            X, rows.ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
             fp8_max(W.dtype) if scaled else 1.0, N=N, K=K, BN=bn, NKBP=pow2(K // BLOCK), KR=k, KT=kt, GATED=gated,
-            SCALED=scaled, BLOCK_K=BLOCK, J0=j0, JN=jn, num_warps=warps or MOE_GEMV_WARPS,
-            EARLY=not gated and T == 1, **pdl(x))
+            SCALED=scaled, BLOCK_K=BLOCK, num_warps=warps or MOE_GEMV_WARPS, EARLY=not gated and T == 1, n_tok=T,
+            SHARED_FIRST=first and gated, R=r, **pdl(x))
     return rows
 
 
 def moe_gemv_rows(x, ids, w1, n_shared: int, k: int | None = None) -> SlotRows:
     """The GEMV kernels' buffers for x's tokens, k routed (ids' width) + n_shared slots each: SlotRows with its
-    up output h (T * kt, I) in x's dtype. ids may come later (moe_gemv_shared: None, k given)."""
+    up output h (T * kt, I) in x's dtype. ids may come later (moe_gemv_early: None, k given)."""
     T, D = x.shape
     k = ids.shape[1] if ids is not None else k
     kt = k + n_shared
@@ -505,21 +539,21 @@ def moe_gemv_rows(x, ids, w1, n_shared: int, k: int | None = None) -> SlotRows:
     return SlotRows(y, None if ids is None else ids.contiguous(), w1.shape[0], k, kt, x.dtype, h)
 
 
-def moe_gemv_shared(x, k: int, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
-                    stream=None) -> SlotRows | None:
-    """The shared experts' slots of fused_moe's GEMV path (up to MOE_GEMV_TOKENS tokens), before the routing is
-    known: -> their SlotRows (routed slots not yet written), for fused_moe(..., rows=) to finish; None where
-    fused_moe would not take the GEMV kernels (or there is no shared expert). stream: a second CUDA stream to
-    launch them on (after it waits for the current one), beside the router; the buffers belong to the current
-    stream, and the caller has the current stream wait for `stream` before the rows are read or x is freed."""
+def moe_gemv_early(x, k: int, w1, n_shared: int) -> SlotRows | None:
+    """fused_moe's GEMV-path buffers for x's tokens (up to MOE_GEMV_TOKENS), k routed + n_shared slots each, made
+    before the routing: -> SlotRows for fused_moe(..., rows=), whose up launch then runs the shared slots' programs
+    first and without waiting for the kernel launched before it (under PDL, the router's last), beside it; None
+    where fused_moe would not take the GEMV kernels (or there is no shared expert). The caller makes them before
+    it launches the router, so no memory those launches read becomes theirs, and x must be written before the
+    router's last launch (under PDL, the kernels before the one before a launch have finished when it starts).
+    On an H200 (the engine's FP8 decode, mini.yaml, two runs each, tok/s): batch 1 1,131 / 1,132 with the shared
+    slots launched apart on a second stream beside the router (whose programs then waited for SMs behind the
+    routed ones' launched early under PDL) -> 1,150 / 1,150 first in the one launch, 1,184 / 1,183 with 2 slabs
+    an up program (MOE_GEMV_REPS); batch 2 1,806 / 1,807 -> 1,818 / 1,819 -> 1,842 / 1,841."""
     T, D = x.shape
     if not n_shared or T > MOE_GEMV_TOKENS or not moe_kernels_take(x, D, w1.shape[1]):
         return None
-    rows = moe_gemv_rows(x, None, w1, n_shared, k)
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
-        return _moe_gemv(x, None, None, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="shared", rows=rows)
+    return moe_gemv_rows(x, None, w1, n_shared, k)
 
 
 def _moe_tiles(T: int, scaled: bool = False):
@@ -604,21 +638,20 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     down kernel's programs wait each for its row block's up tiles, not for the whole up launch (default
     moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way). summed=False: on
     the kernels' path the slot rows unsummed (SlotRows, whose summed() gives the same bits), for a consumer that
-    sums them itself; fused_moe_ref's result is summed either way. rows: moe_gemv_shared's for this x (its
-    shared slots already made, on another stream): the GEMV kernels add the routed ones (the same bits), with
-    summed=False only (tiles, block_m, gemv and xq do not apply)."""
+    sums them itself; fused_moe_ref's result is summed either way. rows: moe_gemv_early's for this x: the GEMV
+    kernels into its buffers, the shared slots beside the kernel before (the same bits; tiles, block_m, gemv and
+    xq do not apply)."""
     T, D = x.shape
     E, I, _ = w1.shape
     scaled = s1 is not None
     if not moe_kernels_take(x, D, I):
         return fused_moe_ref(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
-    if rows is not None:  # moe_gemv_shared's: its slots are done, the routed ones go into its buffers
-        if summed or ids.shape != (T, rows.k) or rows.y.shape[0] != T * rows.kt:
-            raise ValueError(f"fused_moe(rows=): summed=False (the shared slots are read after the caller joins "
-                             f"their stream) and ids of shape ({T}, {rows.k}), got summed={summed}, ids "
+    if rows is not None:  # moe_gemv_early's: the GEMV kernels into its buffers, the shared slots first
+        if ids.shape != (T, rows.k) or rows.y.shape[0] != T * rows.kt:
+            raise ValueError(f"fused_moe(rows=): ids of shape ({T}, {rows.k}) for rows of {T} tokens, got ids "
                              f"{tuple(ids.shape)}, rows of {rows.y.shape[0] // rows.kt} tokens")
-        return _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, slots="routed",
-                         rows=rows._replace(ids=ids.contiguous()))
+        rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared, rows=rows)
+        return rows.summed() if summed else rows
     if gemv or (gemv is None and tiles is None and block_m is None and T <= MOE_GEMV_TOKENS):
         rows = _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit, n_shared)
         return rows.summed() if summed else rows

@@ -758,19 +758,18 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         self.shared_in_experts = False  # the rollout engine's grouped kernel runs the shared expert too
 
-    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None, summed=True, side=None, routing=None):
+    def forward(self, x, input_ids, replay=None, token_mask=None, xq=None, summed=True, routing=None):
         """x (B, T, D), input_ids (B, T), replay (B, T, k) or None -> y (B, T, D), ids (B, T, k). xq: x's rows
         quantized per 1x128 tile, (q, scales), where the caller has them (the FP8 rollout engine's experts).
         routing: a (B * T, k) uint8 tensor the gate also writes the ids into (the rollout engine's routing rows).
         summed=False (the rollout engine's, for hc_post_mix): y may be the experts' slot rows unsummed
-        (kernels.moe.SlotRows, flat over B * T), where the experts give them and nothing is added to them.
-        side (a CUDA stream; the rollout engine's, which joins it before y is read), with summed=False: experts
-        that can start the shared expert's part before the routing is known (shared_beside) start it there, beside
-        the gate (y's rows are then read only after the join)."""
+        (kernels.moe.SlotRows, flat over B * T), where the experts give them and nothing is added to them; experts
+        that can run the shared expert's part beside the router (early_rows: their buffers, made before the gate
+        launches) then do."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        beside = getattr(self.experts, "shared_beside", None) if side is not None and not summed else None
-        rows = beside(flat, self.gate.topk, side) if beside is not None else None
+        early = getattr(self.experts, "early_rows", None) if not summed else None
+        rows = early(flat, self.gate.topk) if early is not None else None
         w, idx = self.gate(flat, input_ids.reshape(-1), None if replay is None else replay.reshape(-1, replay.shape[-1]),
                            None if token_mask is None else token_mask.reshape(-1), routing)
         shared = self.shared_experts is not None and not self.shared_in_experts

@@ -8,8 +8,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 from kernels.attention import (decode_attention, decode_attention_ref, index_scores, index_scores_ref,  # noqa: E402
                                unrope_ref)
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets, tickets_left  # noqa: E402
-from kernels.moe import (MOE_GEMV_TOKENS, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m,  # noqa: E402
-                         moe_gemv_shared, moe_swap)
+from kernels.moe import (MOE_GEMV_TOKENS, _moe_gemv, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m,  # noqa: E402
+                         moe_gemv_early, moe_swap)
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
 
@@ -198,17 +198,15 @@ def test_fused_moe(T, fp8, n_shared, absent):
     from kernels import fused
     rows = fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False)
     assert torch.equal(rows.summed(), got)
-    # up to 2 tokens the shared expert's slots can go first, on a second stream, before the routing is known (the
-    # engine's, beside the router): the same bits once the routed slots join them; none past the GEMV path
-    side = torch.cuda.Stream()
-    pre = moe_gemv_shared(x, k, *args, n_shared=n_shared, stream=side)
+    # up to 2 tokens the buffers can be made before the routing (the engine's, before the router), the shared
+    # expert's slots then first in the up launch, not waiting: the same bits; none past the GEMV path
+    pre = moe_gemv_early(x, k, args[0], n_shared)
     assert (pre is None) == (n_shared == 0 or T > MOE_GEMV_TOKENS)
     if pre is not None:
-        pre = fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False, rows=pre)
-        torch.cuda.current_stream().wait_stream(side)
-        assert torch.equal(pre.summed(), got)
-        with pytest.raises(ValueError, match="summed=False"):  # summed here would not wait for the side stream
-            fused_moe(x, ids, wt, *args, n_shared=n_shared, rows=moe_gemv_shared(x, k, *args, n_shared=n_shared))
+        assert torch.equal(fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False, rows=pre).summed(), got)
+    if T <= MOE_GEMV_TOKENS:  # the GEMV up programs' slabs, one or four (default MOE_GEMV_REPS): the same bits
+        for reps in (1, 4):
+            assert torch.equal(_moe_gemv(x, ids, wt, *args, 10.0, n_shared, reps=reps).summed(), got), reps
     xs = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, generator=g)
     post, comb = torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g)
     fn = torch.randn(24, 4 * D, device="cuda", generator=g) * 0.02

@@ -215,14 +215,15 @@ INTERPRETED = textwrap.dedent("""
                 want = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh, gemv=False)
                 got = km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh)
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (n_sh, T_)
-                # other slab sizes (programs of fewer / more weight rows): the same products, the same bits
+                # other slab sizes (programs of fewer / more weight rows) and up programs of one / four slabs
+                # (the default two): the same products, the same bits
                 ws_ = (*w_, None, None, None)[:6]
-                for slab in (1024, 65536):
-                    assert torch.equal(got, km._moe_gemv(xs[:T_], ids_sh[:T_], wt[:T_], *ws_, 10.0, n_sh,
-                                                         slab=slab, warps=4).summed()), (n_sh, T_, slab)
-                # the shared expert's slots first (the engine launches them beside the router), then the routed
-                # ones into the same rows: the same bits
-                rows = km.moe_gemv_shared(xs[:T_], ids_sh.shape[1], *ws_, 10.0, n_sh)
+                for slab, reps in ((1024, 1), (65536, 4)):
+                    assert torch.equal(got, km._moe_gemv(xs[:T_], ids_sh[:T_], wt[:T_], *ws_, 10.0, n_sh, slab=slab,
+                                                         warps=4, reps=reps).summed()), (n_sh, T_, slab)
+                # the buffers made before the routing (the engine's, before the router): the shared expert's slots
+                # first in the up launch, not waiting under PDL, the same bits
+                rows = km.moe_gemv_early(xs[:T_], ids_sh.shape[1], ws_[0], n_sh)
                 assert (rows is None) == (n_sh == 0), n_sh
                 if rows is not None:
                     assert torch.equal(got, km.fused_moe(xs[:T_], ids_sh[:T_], wt[:T_], *w_, n_shared=n_sh,
