@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model, save_pretrained  # noqa: E402
+from model.weights import transformers_deepseek_v4  # noqa: E402
 from model.config import load_yaml  # noqa: E402
 from rollout_server import Engine, EngineExperts, SamplingParams  # noqa: E402
 
@@ -103,7 +104,7 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
 
 def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
     """transformers generate in BF16 on the same weights: decode tokens/s from two runs (1 and N new tokens)."""
-    from transformers import DeepseekV4ForCausalLM
+    DeepseekV4ForCausalLM = transformers_deepseek_v4()[1]
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
         # one dtype throughout: the fp32-kept modules would otherwise hand fp32 activations to bf16 linears

@@ -494,3 +494,19 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
     index_tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     os.replace(index_tmp, path / "model.safetensors.index.json")
     return path
+
+
+def transformers_deepseek_v4():
+    """transformers' (DeepseekV4Config, DeepseekV4ForCausalLM): the oracle of the tests and the peer of
+    bench/rollout.py. transformers 5.25 depends on the Hub's `kernels` package, imports it as its layers load and
+    has from_pretrained kernelize the model with it, but where this repository's modules run, `import kernels`
+    finds our kernels/ package (both are top-level `kernels`): transformers' check for that package is turned
+    off before the import and its hub kernels through USE_HUB_KERNELS=0 (they replace no DeepseekV4 layer)."""
+    os.environ["USE_HUB_KERNELS"] = "0"
+    import transformers.utils
+    import transformers.utils.import_utils as iu
+    for mod in (iu, transformers.utils):
+        if hasattr(mod, "is_kernels_available"):
+            mod.is_kernels_available = lambda *a, **k: False
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    return DeepseekV4Config, DeepseekV4ForCausalLM

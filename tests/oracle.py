@@ -1,6 +1,8 @@
 """Random tiny `transformers` DeepseekV4ForCausalLM models: the oracle our model is checked against."""
 import torch
 
+from model.weights import transformers_deepseek_v4
+
 CASES = {
     # every attention type, hash + top-k MoE, 2 hc streams, YaRN on compressed layers
     "mixed": dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
@@ -51,7 +53,7 @@ CASES = {
 def make_hf(case: str, seed: int = 0, **overrides):
     """A DeepseekV4ForCausalLM with every tensor randomized at a scale that makes each path matter (config:
     CASES[case] with overrides)."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    DeepseekV4Config, DeepseekV4ForCausalLM = transformers_deepseek_v4()
 
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(**{**CASES[case], **overrides})

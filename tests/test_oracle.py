@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from model import load_pretrained, save_pretrained
+from model.weights import transformers_deepseek_v4
 from tests.oracle import CASES, make_hf
 
 pytest.importorskip("transformers")
@@ -52,7 +53,7 @@ def test_transformers_native_names_with_prefix(tmp_path):
 
 def test_transformers_reads_our_release_layout(tmp_path):
     """Our save_pretrained writes the release layout; transformers' loader maps it back to the same model."""
-    from transformers import DeepseekV4ForCausalLM
+    DeepseekV4ForCausalLM = transformers_deepseek_v4()[1]
 
     hf = make_hf("wide_hc", seed=5)
     hf.save_pretrained(tmp_path / "a")
@@ -72,7 +73,7 @@ def test_config_json_forms_transformers_reads_alike(tmp_path):
     ones would differ), and no RoPE width at all (transformers' head_dim x 64 / 512). Forms we cannot build
     (another RoPE type or activation, a YaRN attention factor) are errors naming the key, not a model that
     differs silently."""
-    from transformers import DeepseekV4ForCausalLM
+    DeepseekV4ForCausalLM = transformers_deepseek_v4()[1]
 
     from model.config import ConfigError
     wide = dict(head_dim=64, num_attention_heads=2, index_head_dim=64)
