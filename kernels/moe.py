@@ -491,11 +491,13 @@ MOE_GEMV_TOKENS = 2
 # 22.9 for the dense GEMV's 32 KB on 8 warps, 2 tokens 35.4 against 38.7); the engine's FP8 step at batch 1 1.06 ->
 # 1.03 ms, batch 2 1.30 -> 1.28, BF16 batch 1 1.22 -> 1.20
 MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
-# the up programs' slabs, the next one's loads in flight during this one's products: at one token (FP8, mini) 896
-# programs of 159 registers (3 an SM) against 1,792 of 91 (5 an SM). The engine's steps: see moe_gemv_early (2
-# slabs with the shared slots launched apart were slower at one token, 1,111 / 1,112 tok/s; 4 slabs, 167 registers,
-# with the shared slots first 1,147 / 1,145)
-MOE_GEMV_REPS = 2
+# the up programs' slabs (by FP8 weights or not), the next one's loads in flight during this one's products: at one
+# token (FP8, mini) 896 programs of 159 registers (3 an SM) against 1,792 of 91 (5 an SM). The engine's steps on an
+# H200 (mini, two runs each, tok/s; see also moe_gemv_early): FP8 batch 1 1,152 / 1,155 (1 slab) -> 1,185 / 1,185,
+# batch 2 1,823 / 1,826 -> 1,838 / 1,838; BF16 batch 1 946 / 947 -> 937 / 936, batch 2 1,502 / 1,503 -> 1,494 /
+# 1,494, so BF16 keeps one. FP8 with the shared slots launched apart: 1,111 / 1,112 at batch 1 with 2 slabs
+# (slower); 4 slabs (167 registers) 1,147 / 1,145; 8 KB slabs 1,161, 8 warps 1,181 (one run each)
+MOE_GEMV_REPS = {True: 2, False: 1}
 
 
 def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: int, slab: int | None = None,
@@ -504,8 +506,9 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     (slot, reps slabs of weight rows) up, (slot, slab) down, -> the slot rows (SlotRows). fused_moe's numerics
     with the products' sums in another order.
     slab, warps: a program's most weight bytes (a slab) and its warps (default MOE_GEMV_SLAB, MOE_GEMV_WARPS);
-    reps: the up programs' slabs (default MOE_GEMV_REPS; the same bits). rows: moe_gemv_early's for x, whose
-    buffers take the slots: the up launch's shared slots then go first, without waiting for the kernel before."""
+    reps: the up programs' slabs (default MOE_GEMV_REPS, by FP8 weights or not; the same bits). rows:
+    moe_gemv_early's for x, whose buffers take the slots: the up launch's shared slots then go first, without
+    waiting for the kernel before."""
     T, D = x.shape
     E, I, _ = w1.shape
     first = rows is not None and rows.kt > rows.k
@@ -518,7 +521,7 @@ def _moe_gemv(x, ids, weights, w1, w2, w3, s1, s2, s3, limit: float, n_shared: i
     launches = ((x, w1, s1, w3, s3, h, I, D, True), (h, w2, s2, w2, s2, y, D, I, False))  # up, then down
     for X, W, S, W3, S3, Y, N, K, gated in launches if T * kt else ():
         bn = slab_rows(N, K * W.element_size() * (2 if gated else 1), slab=slab or MOE_GEMV_SLAB)
-        r = divisor_at_most(N // bn, reps or MOE_GEMV_REPS) if gated else 1
+        r = divisor_at_most(N // bn, reps or MOE_GEMV_REPS[scaled]) if gated else 1
         npr = N // bn // r
         _moe_gemv_kernel[(T * kt * npr,) if first and gated else (T * kt, npr)](
             X, rows.ids, W, S if scaled else W, W3, S3 if scaled else W3, Y, wts, E, X.stride(0), limit,
@@ -549,7 +552,8 @@ def moe_gemv_early(x, k: int, w1, n_shared: int) -> SlotRows | None:
     On an H200 (the engine's FP8 decode, mini.yaml, two runs each, tok/s): batch 1 1,131 / 1,132 with the shared
     slots launched apart on a second stream beside the router (whose programs then waited for SMs behind the
     routed ones' launched early under PDL) -> 1,150 / 1,150 first in the one launch, 1,184 / 1,183 with 2 slabs
-    an up program (MOE_GEMV_REPS); batch 2 1,806 / 1,807 -> 1,818 / 1,819 -> 1,842 / 1,841."""
+    an up program (MOE_GEMV_REPS); batch 2 1,806 / 1,807 -> 1,818 / 1,819 -> 1,842 / 1,841. BF16 batch 1 949 /
+    949 -> 946 / 947 (one slab an up program)."""
     T, D = x.shape
     if not n_shared or T > MOE_GEMV_TOKENS or not moe_kernels_take(x, D, w1.shape[1]):
         return None

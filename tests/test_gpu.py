@@ -206,7 +206,8 @@ def test_fused_moe(T, fp8, n_shared, absent):
         assert torch.equal(fused_moe(x, ids, wt, *args, n_shared=n_shared, summed=False, rows=pre).summed(), got)
     if T <= MOE_GEMV_TOKENS:  # the GEMV up programs' slabs, one or four (default MOE_GEMV_REPS): the same bits
         for reps in (1, 4):
-            assert torch.equal(_moe_gemv(x, ids, wt, *args, 10.0, n_shared, reps=reps).summed(), got), reps
+            assert torch.equal(_moe_gemv(x, ids, wt, *(*args, None, None, None)[:6], 10.0, n_shared,
+                                         reps=reps).summed(), got), reps
     xs = torch.randn(T, 4, D, device="cuda", dtype=torch.bfloat16, generator=g)
     post, comb = torch.rand(T, 4, device="cuda", generator=g), torch.rand(T, 4, 4, device="cuda", generator=g)
     fn = torch.randn(24, 4 * D, device="cuda", generator=g) * 0.02
