@@ -496,7 +496,8 @@ MOE_GEMV_SLAB, MOE_GEMV_WARPS = 16384, 4
 # H200 (mini, two runs each, tok/s; see also moe_gemv_early): FP8 batch 1 1,152 / 1,155 (1 slab) -> 1,185 / 1,185,
 # batch 2 1,823 / 1,826 -> 1,838 / 1,838; BF16 batch 1 946 / 947 -> 937 / 936, batch 2 1,502 / 1,503 -> 1,494 /
 # 1,494, so BF16 keeps one. FP8 with the shared slots launched apart: 1,111 / 1,112 at batch 1 with 2 slabs
-# (slower); 4 slabs (167 registers) 1,147 / 1,145; 8 KB slabs 1,161, 8 warps 1,181 (one run each)
+# (slower); 4 slabs (167 registers) 1,147 / 1,145; 8 KB slabs 1,161, 8 warps 1,181 (one run each); 2 slabs held
+# to 128 registers (maxnreg: 4 an SM, 44 bytes of spills) 1,166 / 1,166
 MOE_GEMV_REPS = {True: 2, False: 1}
 
 
