@@ -396,6 +396,23 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
+    def _expert_slab(W, SW, e, rn, N: tl.constexpr, K: tl.constexpr, NKBP: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALED: tl.constexpr):
+        """Rows rn of expert e's (N, K) weight in the (E, N, K) stack W, the whole K in one load -> (w (BN, NKBP,
+        128), its 128 x 128 block scales from SW (BN, NKBP), or w again where not SCALED)."""
+        NKB: tl.constexpr = K // BLOCK_K
+        kb = tl.arange(0, NKBP)
+        mk = kb < NKB
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(W + (e * N + rn)[:, None, None] * K + kb[None, :, None] * BLOCK_K + rk[None, None, :],
+                    mask=mk[None, :, None], other=0.0)
+        sw = w
+        if SCALED:
+            sw = tl.load(SW + (e * (N // BLOCK_K) + rn // BLOCK_K)[:, None] * NKB + kb[None, :], mask=mk[None, :],
+                         other=0.0)
+        return w, sw
+
+    @triton.jit
     def _moe_gemv_kernel(X, IDS, W, SW, W3, SW3, Y, WTS, E, stride_x, limit, fmax, N: tl.constexpr,
                          K: tl.constexpr, BN: tl.constexpr, NKBP: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr,
                          GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -438,17 +455,11 @@ if triton is not None:
         e = tl.where(j < KR, tl.load(IDS + t * KR + j, mask=j < KR, other=0), E - KT + j).to(tl.int64)
         if e >= E:
             return
-        NKB: tl.constexpr = K // BLOCK_K
         rn = pn * R * BN + tl.arange(0, BN)
         kb = tl.arange(0, NKBP)
-        mk = kb < NKB
+        mk = kb < K // BLOCK_K
         rk = tl.arange(0, BLOCK_K)
-        woff = (e * N + rn)[:, None, None] * K + kb[None, :, None] * BLOCK_K + rk[None, None, :]
-        soff = (e * (N // BLOCK_K) + rn // BLOCK_K)[:, None] * NKB + kb[None, :]
-        w = tl.load(W + woff, mask=mk[None, :, None], other=0.0)  # (BN, NKBP, 128)
-        sw = w
-        if SCALED:
-            sw = tl.load(SW + soff, mask=mk[None, :], other=0.0)
+        w, sw = _expert_slab(W, SW, e, rn, N, K, NKBP, BLOCK_K, SCALED)
         if not GATED:
             wt = tl.load(WTS + t * KR + j, mask=j < KR, other=1.0)
             if EARLY:
@@ -457,23 +468,13 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             tl.store(Y + s * N + rn, slab_dot(w, sw, x, fmax, SCALED) * wt)
         else:
-            w3 = tl.load(W3 + woff, mask=mk[None, :, None], other=0.0)
-            sw3 = w3
-            if SCALED:
-                sw3 = tl.load(SW3 + soff, mask=mk[None, :], other=0.0)
+            w3, sw3 = _expert_slab(W3, SW3, e, rn, N, K, NKBP, BLOCK_K, SCALED)
             x = tl.load(X + t * stride_x + kb[:, None] * BLOCK_K + rk[None, :], mask=mk[:, None],
                         other=0.0).to(tl.float32)
             for r in tl.static_range(R):  # R slabs, the next one's loads issued before this one's products
                 if r + 1 < R:
-                    rn_n = rn + (r + 1) * BN
-                    woff = (e * N + rn_n)[:, None, None] * K + kb[None, :, None] * BLOCK_K + rk[None, None, :]
-                    w_n = tl.load(W + woff, mask=mk[None, :, None], other=0.0)
-                    w3_n = tl.load(W3 + woff, mask=mk[None, :, None], other=0.0)
-                    sw_n, sw3_n = w_n, w3_n
-                    if SCALED:
-                        soff = (e * (N // BLOCK_K) + rn_n // BLOCK_K)[:, None] * NKB + kb[None, :]
-                        sw_n = tl.load(SW + soff, mask=mk[None, :], other=0.0)
-                        sw3_n = tl.load(SW3 + soff, mask=mk[None, :], other=0.0)
+                    w_n, sw_n = _expert_slab(W, SW, e, rn + (r + 1) * BN, N, K, NKBP, BLOCK_K, SCALED)
+                    w3_n, sw3_n = _expert_slab(W3, SW3, e, rn + (r + 1) * BN, N, K, NKBP, BLOCK_K, SCALED)
                 g = tl.minimum(slab_dot(w, sw, x, fmax, SCALED), limit)
                 u = tl.minimum(tl.maximum(slab_dot(w3, sw3, x, fmax, SCALED), -limit), limit)
                 tl.store(Y + s * N + rn + r * BN, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
