@@ -582,7 +582,14 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     x = x[0]
     if last is not None:
         x, part = x[last], None if part is None else part[last]
-    return model.head(model.hc_head(x, part)), routing
+    h = model.hc_head(x, part)
+    # one row: the BF16 head through small_linear's GEMV kernel (under PDL its weights load beside the mHC
+    # head; cuBLAS's kernel began ~5 us after the mHC head's end, behind a memset of its own). On an H200 (mini,
+    # two runs each, tok/s): FP8 batch 1 1,189 / 1,189 -> 1,195 / 1,198, BF16 batch 1 950 / 948 -> 951 / 953; at
+    # two rows the kernel was slower (FP8 batch 2 1,839 / 1,840 -> 1,780 / 1,782)
+    if type(model.head) is Linear and h.shape[0] == 1:
+        return small_linear(h, model.head.weight), routing
+    return model.head(h), routing
 
 
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:

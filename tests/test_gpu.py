@@ -137,7 +137,7 @@ def test_gemv(M, N, K, G):
                                                                               ws.contiguous(), torch.bfloat16)) < 4e-3
 
 
-@pytest.mark.parametrize("M", [1, 5, 16, 17])
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 17])
 @pytest.mark.parametrize("N,K", [(2592, 2048), (1024, 2048), (4096, 512), (300, 1024)])
 def test_small_linear(M, N, K):
     """The one-launch kernel with a BF16 weight (the engine's BF16 input GEMMs at decode sizes) against fp32,
