@@ -1323,12 +1323,13 @@ class Runner:
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)
         temps = inp[5].view(torch.float64)  # (the kernel rounds them to fp32 itself)
-        if use_triton(out["logits"]):
-            out["tok"], out["lp"] = gumbel_sample(out["logits"], temps, inp[3], inp[4])
+        if use_triton(out["logits"]):  # (the kernel also writes the tokens the next step feeds)
+            out["tok"], out["lp"] = gumbel_sample(out["logits"], temps, inp[3], inp[4],
+                                                  also=self.tok if feed else None)
         else:
             out["tok"], out["lp"] = sample_plain(out["logits"], temps.float(), inp[3], inp[4])
-        if feed:
-            self.tok[:n].copy_(out["tok"])
+            if feed:
+                self.tok[:n].copy_(out["tok"])
         return out
 
     def _stage(self, seqs: list[Sequence], lags=None, src=None) -> torch.Tensor:

@@ -80,7 +80,8 @@ if triton is not None:
         tl.store(base + 4, l)
 
     @triton.jit
-    def _sample_combine_kernel(PART, TOK, LP, SPLIT: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr = False):
+    def _sample_combine_kernel(PART, TOK, LP, SPLIT: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr = False,
+                               ALSO=None):
         pdl_wait(PDL)
         b = tl.program_id(0)
         r = tl.arange(0, SP2)
@@ -94,7 +95,10 @@ if triton is not None:
         top, k = tl.max(best, 0, return_indices=True, return_indices_tie_break_left=True)  # slices in vocab order
         mm = tl.max(m, 0)
         lse = mm + tl.log(tl.sum(tl.where(mr, l * tl.exp(m - mm), 0.0), 0))
-        tl.store(TOK + b, tl.sum(tl.where(r == k, bi, 0.0), 0).to(tl.int64))
+        tok = tl.sum(tl.where(r == k, bi, 0.0), 0).to(tl.int64)
+        tl.store(TOK + b, tok)
+        if ALSO is not None:
+            tl.store(ALSO + b, tok)
         tl.store(LP + b, tl.sum(tl.where(r == k, bs, 0.0), 0) - lse)
 
 
@@ -114,8 +118,10 @@ def _slices(B: int, V: int, block: int, device) -> int:
 
 
 def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  block: int = 2048, split: int | None = None):
-    """temps fp32 or fp64 (rounded to fp32 in the kernel, as .float() would: no conversion launch)."""
+                  block: int = 2048, split: int | None = None, also: torch.Tensor | None = None):
+    """temps fp32 or fp64 (rounded to fp32 in the kernel, as .float() would: no conversion launch). also: an int64
+    tensor of at least B elements whose first B the tokens are written into as well (the engine's next-step feed:
+    a copy launch fewer)."""
     B, V = logits.shape
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and V < 2 ** 24
     split = split or _slices(B, V, block, logits.device)
@@ -129,7 +135,9 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
         _sample_part_kernel[(B, split)](logits, temps, seeds, steps, part, V, logits.stride(0), SPLIT=split,
                                         CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
                                         num_warps=8, **pdl(logits))
-        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), **pdl(part))
+        assert also is None or (also.dtype == torch.int64 and also.is_contiguous() and also.numel() >= B), \
+            f"gumbel_sample: also= {also.dtype} of {also.numel()} for {B} rows"
+        _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), ALSO=also, **pdl(part))
     return tok, lp
 
 

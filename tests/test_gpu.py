@@ -539,6 +539,15 @@ def test_gumbel_sample_kernel(B, dtype):
     from tests.kernel_cases import sample_case
     bad, dlp = sample_case("cuda", B, 129280, dtype=dtype)
     assert bad == 0 and dlp < 1e-4, (bad, dlp)
+    # also=: the tokens written a second time, into the first B elements of a longer buffer (the engine's feed)
+    from kernels.sample import gumbel_sample
+    logits = torch.randn(B, 1000, device="cuda").to(dtype)
+    also = torch.full((B + 3,), -1, dtype=torch.int64, device="cuda")
+    args = (torch.ones(B, device="cuda"), torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.int64,
+                                                                                      device="cuda"))
+    tok, lp = gumbel_sample(logits, *args, also=also)
+    assert torch.equal(also[:B], tok) and (also[B:] == -1).all()
+    assert torch.equal(gumbel_sample(logits, *args)[0], tok)
 
 
 def test_to_host_kernel():
