@@ -1192,6 +1192,12 @@ class Runner:
         comps += [a.indexer.compressor for a in attns if a.indexer is not None]
         self.offsets = tuple(sorted({1} | {cp.ratio for cp in comps}))
         self.windows = tuple(sorted({a.window for a in attns}))
+        # the last position a decode step can take with no CSA layer holding more entries than its indexer's top-k
+        # ((pos + 1) // ratio of them after the step's compress): up to there a step skips the indexer's query,
+        # scores and top-k, which would pick every entry (_decode_attention's every). 2,050 in mini.yaml (top-k
+        # 512, ratio 4), so the benchmark's 512 + 1,024 tokens never run them; its 16k context always does.
+        self.every_upto = min(((a.indexer.topk + 1) * a.compressor.ratio - 2 for a in attns if a.indexer is not None),
+                              default=-1)
 
     # -- prefill ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -1232,9 +1238,12 @@ class Runner:
             return compress_decode(*args, comp.ape, comp.norm.weight, comp.norm.eps, *wrope[comp.ratio])
         return compress_step_ref(comp, *args, *wrope[comp.ratio])
 
-    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope, hq=None, rec=None):
+    def _decode_attention(self, li, attn, h, tables, pos, slots, tabs, wrope, hq=None, rec=None, every=False):
         """wrope: the step's per-sequence tables every layer shares (window rows, compress RoPE by ratio). hq:
-        h's rows quantized (run_layers'). rec: an IndexRecorder for the indexer's chosen entries."""
+        h's rows quantized (run_layers'). rec: an IndexRecorder for the indexer's chosen entries. every: no row
+        has more CSA entries than the indexer's top-k (Runner.every_upto), which would then pick them all: the
+        attention reads every entry, as an HCA layer's does, and the indexer's query, scores and top-k do not
+        run (its compressor still does)."""
         c = self.cache
         key = ("window", attn.window)  # (the window-cache row of each sequence's new key)
         # Two chains where there is a side stream (a compressed-attention layer on a GPU): there, the compressors'
@@ -1269,7 +1278,7 @@ class Runner:
         q_res, qq = attn.q_lora(h, ins.get("wq_a"), None if hq is None else hq[0].dtype,
                                 prenorm=self.fp8 is not None and h.shape[1] == 1 and use_triton(h))
         sel = None
-        if attn.indexer is not None:
+        if attn.indexer is not None and not every:
             if side is not None:
                 side.wait_stream(here)
             with torch.cuda.stream(side):
@@ -1288,20 +1297,20 @@ class Runner:
         kw = dict(unrope=(cos, sin), fp8=None if hq is None else hq[0].dtype)
         if attn.compressor is None:
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, **kw)
-        else:  # (top-k lists a row's valid entries first)
+        else:  # (top-k lists a row's valid entries first; without sel, entries [0, count))
             out = decode_attention(q, c.win[li], slots, pos, attn.attn_sink, attn.scale, c.entries[li], table,
                                    sel=sel, count=count, **kw)
         out, oq = out if hq is not None else (out, None)
         return attn.project_out(out[None], None, None, oq)
 
-    def _decode_eager(self, inp, feed: bool = True):
+    def _decode_eager(self, inp, feed: bool = True, every: bool = False):
         """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
         float64 bits), and the row of the previous step whose sampled token is this row's id (-1: the id row).
         -> logits (n, V) in the head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L,
         k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k /
         top-p (kernels.sample on GPUs, sample_plain elsewhere). feed=False: the sampled tokens are not kept in
         self.tok for the next step to feed (a capture's warm-up step, which may run while a step is in flight
-        whose tokens the next one feeds from there)."""
+        whose tokens the next one feeds from there). every: no position past every_upto (_decode_attention)."""
         n, m, c = inp.shape[1], self.model, self.cache
         pos, slots = inp[1], inp[2]
         # the step's ids, embedded streams, RoPE rows (at the positions; at each compress window's first position,
@@ -1317,7 +1326,7 @@ class Runner:
         rec = IndexRecorder(self.model.cfg.index_topk) if self.record_index else None
 
         def attention(li, attn, h, tables, hq=None):
-            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec)
+            return self._decode_attention(li, attn, h, tables, pos, slots, tabs, wrope, hq, rec, every)
         logits, routing = run_layers(m, ids, pos, attention, fp8=self.fp8, side=self.side, pre=(tables, x))
         out = {"logits": logits, "routing": routing}
         if rec is not None:
@@ -1367,12 +1376,13 @@ class Runner:
         behind it, and before the step two after it writes them again)."""
         B = len(seqs)
         h = self._stage(seqs, lags, src)
+        every = not self.record_index and int(h.numpy()[1, :B].max()) <= self.every_upto
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
         host = {}
         if bucket is None:
-            out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True))
+            out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True), every=every)
         else:
-            g = self.graphs.get(bucket) or self._capture(bucket)
+            g = self.graphs.get((bucket, every)) or self._capture(bucket, every)
             g["inp"].copy_(h[:, :bucket], non_blocking=True)
             g["graph"].replay()
             p, self.replays = self.replays % 2, self.replays + 1
@@ -1414,14 +1424,14 @@ class Runner:
         """Device tensors -> host arrays: copies into pinned buffers and one synchronization."""
         return self.fetch_wait(self.fetch_start(*ts))
 
-    def _capture(self, bucket: int):
+    def _capture(self, bucket: int, every: bool):
         c, dev = self.cache, self.cache.device
         inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
         # compiles the Triton kernels and warms the allocator outside the capture; feed=False: a bucket's first step
         # may come while the step before it is in flight, whose tokens it feeds from self.tok (before, the warm-up
         # wrote its own there: graphs and eager parted where a batch first shrank into a new bucket)
-        warm = self._decode_eager(inp, feed=False)
+        warm = self._decode_eager(inp, feed=False, every=every)
         names = [k for k in self.HOST_OUTPUTS if k in warm] if self.zero_copy else []
         host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
         if host:  # (compiles to_host, on a count of its own)
@@ -1429,11 +1439,11 @@ class Runner:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._decode_eager(inp)
+            out = self._decode_eager(inp, every=every)
             if host:
                 to_host(self.ctr, [out[k] for k in names], [host[k] for k in names])
         self.pool = graph.pool()
-        self.graphs[bucket] = g = {"inp": inp, "graph": graph, "out": out, "host": host}
+        self.graphs[bucket, every] = g = {"inp": inp, "graph": graph, "out": out, "host": host}
         return g
 
 

@@ -44,10 +44,11 @@ def copy_bandwidth(nbytes: int = 2 ** 31, iters: int = 10) -> float:
     return 2 * nbytes * iters / (time.perf_counter() - t0)
 
 
-def weight_bytes(engine: Engine) -> tuple[int, dict]:
+def weight_bytes(engine: Engine) -> tuple[int, dict, int]:
     """Bytes of everything a decode step reads from the weights except the embedding table and the routed
-    experts (counted per step), and each layer's bytes per routed expert."""
-    dense, per_expert = 0, {}
+    experts (counted per step), each layer's bytes per routed expert, and the bytes of the indexers' query
+    projections (wq_b), which a step skips where no CSA layer holds more entries than the indexer's top-k."""
+    dense, per_expert, index_q = 0, {}, 0
     for name, mod in engine.model.named_modules():
         if isinstance(mod, EngineExperts):
             layer = int(name.split(".")[1])
@@ -57,18 +58,21 @@ def weight_bytes(engine: Engine) -> tuple[int, dict]:
         if ".experts." in name or name.startswith("embed.") or "inv_freq" in name:
             continue
         dense += t.numel() * t.element_size()
-    return dense, per_expert
+        index_q += t.numel() * t.element_size() if ".indexer.wq_b." in name else 0
+    return dense, per_expert, index_q
 
 
 def cache_bytes(cfg: ModelConfig, ctx: int, esize: int) -> int:
-    """Cache one sequence's decode step must read at context length ctx."""
+    """Cache one sequence's decode step must read at context length ctx (the indexer's keys only past its top-k
+    of entries: up to there the step reads every entry without scoring them, Runner.every_upto)."""
     total = 0
     for i in range(cfg.num_hidden_layers):
         total += min(ctx, cfg.sliding_window) * cfg.head_dim * esize
         t = cfg.layer_type(i)
         if t == "compressed_sparse_attention":
             n = ctx // cfg.csa_ratio
-            total += n * cfg.index_head_dim * 4 + min(n, cfg.index_topk) * cfg.head_dim * esize
+            keys = n * cfg.index_head_dim * 4 if n > cfg.index_topk else 0
+            total += keys + min(n, cfg.index_topk) * cfg.head_dim * esize
         elif t == "heavily_compressed_attention":
             total += (ctx // cfg.hca_ratio) * cfg.head_dim * esize
     return total
@@ -87,14 +91,15 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=gen_len, seed=seed, ignore_eos=True))
     total = time.perf_counter() - t0
     st = engine.stats
-    dense, per_expert = weight_bytes(engine)
+    dense, per_expert, index_q = weight_bytes(engine)
     esize = torch.empty(0, dtype=engine.dtype).element_size()
     routing = torch.stack([o.routed_experts for o in outs])  # (B, P + gen - 1, L, k)
     step_bytes = 0
     for t in range(1, gen_len):  # decode step t feeds the token at position prompt_len + t - 1
         rows = routing[:, prompt_len + t - 1]  # (B, L, k)
         hit = sum(per_expert.get(layer, 0) * rows[:, layer].unique().numel() for layer in range(rows.shape[1]))
-        step_bytes += dense + hit + B * cfg.hidden_size * esize + B * cache_bytes(cfg, prompt_len + t, esize)
+        skipped = index_q if prompt_len + t - 1 <= engine.runner.every_upto else 0  # (Runner.decode's every)
+        step_bytes += dense - skipped + hit + B * cfg.hidden_size * esize + B * cache_bytes(cfg, prompt_len + t, esize)
     return {"batch": B, "prompt_len": prompt_len, "gen_len": gen_len, "total_s": total,
             "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "decode_steps": st["decode_steps"],
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_s"],

@@ -584,15 +584,34 @@ def test_engine_on_small_dims_turns_graphs_off():
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-def test_engine_graphs_match_eager_and_simple():
+def _engine_model():
+    """tiny.yaml at dims the engine's kernels and graphs take (fp32 weights on the GPU)."""
     from model import ModelConfig, build_model
     from model.config import load_yaml
-    from kernels import fp8_gemm
-    from rollout_server import Engine, SamplingParams, SimpleEngine
     ov = ["model.vocab_size=1024", "model.hidden_size=256", "model.head_dim=128", "model.qk_rope_head_dim=32",
           "model.q_lora_rank=128", "model.o_lora_rank=128", "model.moe_intermediate_size=128",
           "model.index_head_dim=128", "model.num_attention_heads=4", "model.sliding_window=32"]
-    m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ov)["model"]), "cuda", torch.float32, seed=0)
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ov)["model"])
+    return build_model(cfg, "cuda", torch.float32, seed=0)
+
+
+def _logprobs_close(outs_a, outs_b, fp8: bool):
+    """Two engines' greedy outputs whose numerics differ: log-probs of the shared prefix, and where a sequence
+    parts, of the two picks (see test_engine_graphs_match_eager_and_simple)."""
+    diffs, parts = [], []
+    for a, b in zip(outs_a, outs_b):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        diffs += [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])]
+        parts += [abs(a.logprobs[n] - b.logprobs[n])] if n < len(a.token_ids) else []
+    bound = (0.05, 0.3) if fp8 else (0.1, 0.1)
+    assert len(diffs) >= len(outs_a) and sum(diffs) / len(diffs) < bound[0] and max(diffs + parts) < bound[1], \
+        (fp8, len(diffs), sum(diffs) / len(diffs), max(diffs), parts)
+
+
+def test_engine_graphs_match_eager_and_simple():
+    from kernels import fp8_gemm
+    from rollout_server import Engine, SamplingParams, SimpleEngine
+    m = _engine_model()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (3, 40, 97, 200, 11)]
     # staggered lengths: the batch shrinks from 5 rows (an 8-row graph) to 4, 3 and 2 (graphs captured mid-run,
@@ -642,14 +661,30 @@ def test_engine_graphs_match_eager_and_simple():
         # before and after this check was written. Where two sequences part, each engine took its own argmax, so
         # the two picks' log-probs must be as close as the shared tokens' (a near-tie, not an error: 0.088 nats
         # at most in those runs).
-        diffs, parts = [], []
-        for a, b in zip(outs["graphs"], outs["simple"]):
-            n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-            diffs += [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])]
-            parts += [abs(a.logprobs[n] - b.logprobs[n])] if n < len(a.token_ids) else []
-        bound = (0.05, 0.3) if fp8 else (0.1, 0.1)
-        assert len(diffs) >= len(prompts) and sum(diffs) / len(diffs) < bound[0] and max(diffs + parts) < bound[1], \
-            (fp8, len(diffs), sum(diffs) / len(diffs), max(diffs), parts)
+        _logprobs_close(outs["graphs"], outs["simple"], fp8)
+
+
+def test_engine_steps_that_skip_the_indexer():
+    """Decode steps whose positions all lie within Runner.every_upto (18 here: no CSA layer past the indexer's
+    top-k of 4 entries) read every entry without the indexer's query, scores and top-k, in graphs of their own
+    ((bucket, True)); later steps in the same run take the indexer's graphs. Against the engine that always runs
+    the indexer (record_index): log-probs as close as test_engine_graphs_match_eager_and_simple's bounds; eager
+    and graphed steps of the same choice bit-identical."""
+    from rollout_server import Engine, SamplingParams
+    m = _engine_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    sp = [SamplingParams(temperature=0, max_tokens=t, ignore_eos=True) for t in (40, 25, 30)]
+    for fp8 in (False, True):
+        eng = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512)
+        assert eng.runner.every_upto == 18
+        outs = eng.generate(prompts, sp)
+        assert {every for _, every in eng.runner.graphs} == {True, False}
+        eager = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, cuda_graphs=False).generate(prompts, sp)
+        for a, b in zip(outs, eager):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        ref = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, record_index=True).generate(prompts, sp)
+        _logprobs_close(ref, outs, fp8)
 
 
 def test_sync_graph_packer_matches_eager_packing():

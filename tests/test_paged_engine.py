@@ -1,4 +1,5 @@
 """The paged engine against its slow twin (SimpleEngine) and the model's full-sequence forward."""
+import dataclasses
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from kernels.quant import fp8_dtype
 from model.model import Transformer
 from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
                             is_fp8_held, prepare_inference_model, quantize, update_weights)
+import rollout_server
 from tests.conftest import input_dependent
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -81,6 +83,37 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
     if "max_batch_tokens" in kw:
         assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
 
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(max_seqs=2)])
+def test_steps_whose_indexer_would_pick_every_entry_skip_it(model, kw):
+    """Decode steps whose positions all lie within Runner.every_upto (no CSA layer past the indexer's top-k of
+    entries: 18 here, top-k 4 at ratio 4) read every entry and run no indexer query, scores or top-k; later
+    steps run them. Against the engine that always runs them (record_index on) and the full forward: the same
+    tokens and routing, log-probs within 1e-4."""
+    prompts = _prompts([1, 3, 6, 14], 5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 12, 25, 20)]
+    ref = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, record_index=True,
+                 **kw).generate(prompts, params)
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, **kw)
+    assert eng.runner.every_upto == 18
+    steps, scored = [], []
+    step, scores = eng.runner._decode_eager, rollout_server.index_scores
+    eng.runner._decode_eager = lambda inp, **k: steps.append((int(inp[1].max()), k["every"])) or step(inp, **k)
+    rollout_server.index_scores = lambda *a, **k: scored.append(len(steps)) or scores(*a, **k)
+    try:
+        out = eng.generate(prompts, params)
+    finally:
+        rollout_server.index_scores = scores
+    assert all(every == (p <= 18) for p, every in steps) and {e for _, e in steps} == {True, False}
+    assert set(scored) == {i + 1 for i, (_, every) in enumerate(steps) if not every}  # the indexer ran there only
+    for a, b in zip(ref, out):
+        assert b.index_entries is None
+        _same(a, dataclasses.replace(b, index_entries=a.index_entries))
+        full = torch.tensor([b.prompt_token_ids + b.token_ids])
+        with torch.no_grad():
+            logits = model(full)
+        assert logits[0, len(b.prompt_token_ids) - 1:-1].argmax(-1).tolist() == b.token_ids
 
 
 def test_tied_index_scores_pick_the_same_entries_everywhere(model):
