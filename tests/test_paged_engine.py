@@ -86,7 +86,7 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(max_seqs=2)])
-def test_steps_whose_indexer_would_pick_every_entry_skip_it(model, kw):
+def test_steps_whose_indexer_would_pick_every_entry_skip_it(model, kw, monkeypatch):
     """Decode steps whose positions all lie within Runner.every_upto (no CSA layer past the indexer's top-k of
     entries: 18 here, top-k 4 at ratio 4) read every entry and run no indexer query, scores or top-k; later
     steps run them. Against the engine that always runs them (record_index on) and the full forward: the same
@@ -99,12 +99,10 @@ def test_steps_whose_indexer_would_pick_every_entry_skip_it(model, kw):
     assert eng.runner.every_upto == 18
     steps, scored = [], []
     step, scores = eng.runner._decode_eager, rollout_server.index_scores
-    eng.runner._decode_eager = lambda inp, **k: steps.append((int(inp[1].max()), k["every"])) or step(inp, **k)
-    rollout_server.index_scores = lambda *a, **k: scored.append(len(steps)) or scores(*a, **k)
-    try:
-        out = eng.generate(prompts, params)
-    finally:
-        rollout_server.index_scores = scores
+    monkeypatch.setattr(eng.runner, "_decode_eager",
+                        lambda inp, **k: steps.append((int(inp[1].max()), k["every"])) or step(inp, **k))
+    monkeypatch.setattr(rollout_server, "index_scores", lambda *a, **k: scored.append(len(steps)) or scores(*a, **k))
+    out = eng.generate(prompts, params)
     assert all(every == (p <= 18) for p, every in steps) and {e for _, e in steps} == {True, False}
     assert set(scored) == {i + 1 for i, (_, every) in enumerate(steps) if not every}  # the indexer ran there only
     for a, b in zip(ref, out):
