@@ -513,7 +513,8 @@ def test_moe_align_kernel(T, k, E, absent, n_shared):
     assert moe_align_case("cuda", T, k, E, absent, n_shared=n_shared)
 
 
-@pytest.mark.parametrize("B,S,k", [(1, 1024, 512), (64, 1024, 512), (16, 4096, 512), (5, 300, 64), (3, 8, 8)])
+@pytest.mark.parametrize("B,S,k", [(1, 1024, 512), (64, 1024, 512), (16, 4096, 512), (5, 300, 64), (3, 8, 8),
+                                   (3, 1025, 512), (16, 4160, 512), (4, 16384, 2048), (2, 2000, 2000)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_index_topk_kernel(B, S, k, ties):
     from tests.kernel_cases import index_topk_case
