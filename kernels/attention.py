@@ -373,16 +373,19 @@ def index_topk_ref(sc, k: int, count):
 
 if triton is not None:
     @triton.jit
+    def _score_key(v):
+        """fp32 scores -> int32 keys in the same order (signed compare), -0.0 tied with 0.0."""
+        bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
     def _index_topk_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
         """One row: a bitonic sort of (order-preserving int32 of the score, reversed entry index) pairs packed
         in int64, descending (ties: the lower index first); the first K entries, -1 past the row's count."""
         pdl_wait(PDL)
         b = tl.program_id(0)
         rs = tl.arange(0, SP)
-        v = tl.load(SC + b * S + rs, mask=rs < S, other=float("-inf"))
-        v = tl.where(v == 0.0, 0.0, v)  # -0.0 ties with 0.0
-        bits = v.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = _score_key(tl.load(SC + b * S + rs, mask=rs < S, other=float("-inf")))
         srt = tl.sort((key.to(tl.int64) << 32) | (SP - 1 - rs).to(tl.int64), 0, descending=True)
         idx = SP - 1 - (srt & 0xFFFFFFFF)
         n = tl.load(COUNT + b)
@@ -400,10 +403,7 @@ if triton is not None:
         b = tl.program_id(0)
         rs = tl.arange(0, SP)
         n = tl.minimum(tl.load(COUNT + b), S)
-        v = tl.load(SC + b * S + rs, mask=rs < n, other=0.0)
-        v = tl.where(v == 0.0, 0.0, v)  # -0.0 ties with 0.0
-        bits = v.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order
+        key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
         u = key.to(tl.int64) + 2147483648  # unsigned order: its bytes are the radix digits
         rem = tl.minimum(n, K)  # entries still to pick among those tied with the threshold so far
         tied, above = rs < n, rs < 0
