@@ -62,17 +62,16 @@ def weight_bytes(engine: Engine) -> tuple[int, dict, int]:
     return dense, per_expert, index_q
 
 
-def cache_bytes(cfg: ModelConfig, ctx: int, esize: int) -> int:
-    """Cache one sequence's decode step must read at context length ctx (the indexer's keys only past its top-k
-    of entries: up to there the step reads every entry without scoring them, Runner.every_upto)."""
+def cache_bytes(cfg: ModelConfig, ctx: int, esize: int, every: bool = False) -> int:
+    """Cache one sequence's decode step must read at context length ctx. every: a step within Runner.every_upto,
+    which reads every CSA entry without the indexer, so none of its keys."""
     total = 0
     for i in range(cfg.num_hidden_layers):
         total += min(ctx, cfg.sliding_window) * cfg.head_dim * esize
         t = cfg.layer_type(i)
         if t == "compressed_sparse_attention":
             n = ctx // cfg.csa_ratio
-            keys = n * cfg.index_head_dim * 4 if n > cfg.index_topk else 0
-            total += keys + min(n, cfg.index_topk) * cfg.head_dim * esize
+            total += (0 if every else n * cfg.index_head_dim * 4) + min(n, cfg.index_topk) * cfg.head_dim * esize
         elif t == "heavily_compressed_attention":
             total += (ctx // cfg.hca_ratio) * cfg.head_dim * esize
     return total
@@ -101,8 +100,9 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
     for t in range(1, gen_len):  # decode step t feeds the token at position prompt_len + t - 1
         rows = routing[:, prompt_len + t - 1]  # (B, L, k)
         hit = sum(per_expert.get(layer, 0) * rows[:, layer].unique().numel() for layer in range(rows.shape[1]))
-        skipped = index_q if prompt_len + t - 1 <= engine.runner.every_upto else 0  # (Runner.decode's every)
-        step_bytes += dense - skipped + hit + B * cfg.hidden_size * esize + B * cache_bytes(cfg, prompt_len + t, esize)
+        every = prompt_len + t - 1 <= engine.runner.every_upto  # (Runner.decode's every: no indexer wq_b or keys)
+        step_bytes += dense - (index_q if every else 0) + hit + B * cfg.hidden_size * esize + \
+            B * cache_bytes(cfg, prompt_len + t, esize, every)
     return {"batch": B, "prompt_len": prompt_len, "gen_len": gen_len, "total_s": total,
             "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "decode_steps": st["decode_steps"],
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_s"],
