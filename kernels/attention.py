@@ -393,50 +393,114 @@ if triton is not None:
 
 
     @triton.jit
-    def _index_topk_select_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
-                                  PDL: tl.constexpr = False):
-        """One row, _index_topk_kernel's output without sorting the row: a radix select finds the K-th largest
-        key (order-preserving bits of the score, one byte a pass over a 256-bin histogram of the entries still
-        tied with it), the entries above it and the first of those equal to it (in entry order) are packed as
-        _index_topk_kernel packs them into OUT's row in entry order, and only those K are sorted."""
-        pdl_wait(PDL)
-        b = tl.program_id(0)
+    def _threshold_step(hist, rem, thr, j):
+        """One radix pass's pick from the histogram of the digits of the entries still tied with the threshold:
+        the K-th largest's digit; -> (rem: entries still to take among those tied after it, thr with it)."""
+        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # tied entries whose digit is >= j
+        dig = tl.max(tl.where(ge >= rem, j, -1), 0)
+        return rem - tl.sum(tl.where(j > dig, hist, 0), 0), thr * 256 + dig
+
+    @triton.jit
+    def _select_row(SC, OUT, b, n, S, top, K: tl.constexpr, SP: tl.constexpr):
+        """_index_topk_select_kernel's picks with the whole row held in SP lanes (the radix state a lane each)
+        -> how many it packed into OUT's row."""
         rs = tl.arange(0, SP)
-        n = tl.minimum(tl.load(COUNT + b), S)
         key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
         u = key.to(tl.int64) + 2147483648  # unsigned order: its bytes are the radix digits
-        rem = tl.minimum(n, K)  # entries still to pick among those tied with the threshold so far
+        rem, thr = tl.minimum(n, K), (n * 0).to(tl.int64)
         tied, above = rs < n, rs < 0
         j = tl.arange(0, 256)
         for p in tl.static_range(4):
             d = ((u >> (24 - 8 * p)) & 255).to(tl.int32)
             hist = tl.histogram(d, 256, mask=tied)
-            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # tied entries whose digit is >= j
-            dig = tl.max(tl.where(ge >= rem, j, -1), 0)
-            rem -= tl.sum(tl.where(j > dig, hist, 0), 0)
+            rem, thr = _threshold_step(hist, rem, thr, j)
+            dig = (thr & 255).to(tl.int32)
             above = above | (tied & (d > dig))
             tied = tied & (d == dig)
         pick = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= rem))
         at = tl.cumsum(pick.to(tl.int32), 0) - 1
-        tl.store(OUT + b * K + at, (key.to(tl.int64) << 32) | (SP - 1 - rs).to(tl.int64), mask=pick)
-        picked = tl.sum(pick.to(tl.int32), 0)
+        tl.store(OUT + b * K + at, (key.to(tl.int64) << 32) | (top - rs).to(tl.int64), mask=pick)
+        return tl.sum(pick.to(tl.int32), 0)
+
+    @triton.jit
+    def _select_chunks(SC, OUT, b, n, S, top, K: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr):
+        """_select_row's picks, each pass over the row's first n entries in chunks of CH (NCH cover S): the time
+        follows the row's count, not the table's capacity; the keys are read again each pass."""
+        rc = tl.arange(0, CH)
+        rem, thr = tl.minimum(n, K), (n * 0).to(tl.int64)
+        j = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            hist = tl.zeros((256,), tl.int32)
+            for c in range(NCH):
+                if c * CH < n:
+                    rs = c * CH + rc
+                    u = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0)).to(tl.int64) + 2147483648
+                    tied = rs < n
+                    if p > 0:
+                        tied = tied & ((u >> (32 - 8 * p)) == thr)
+                    hist += tl.histogram(((u >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=tied)
+            rem, thr = _threshold_step(hist, rem, thr, j)
+        ties = (n * 0).to(tl.int32)
+        picked = (n * 0).to(tl.int32)
+        for c in range(NCH):
+            if c * CH < n:
+                rs = c * CH + rc
+                key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
+                u = key.to(tl.int64) + 2147483648
+                eq = (rs < n) & (u == thr)
+                pick = ((rs < n) & (u > thr)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
+                at = picked + tl.cumsum(pick.to(tl.int32), 0) - 1
+                tl.store(OUT + b * K + at, (key.to(tl.int64) << 32) | (top - rs).to(tl.int64), mask=pick)
+                ties += tl.sum(eq.to(tl.int32), 0)
+                picked += tl.sum(pick.to(tl.int32), 0)
+        return picked
+
+    @triton.jit
+    def _index_topk_select_kernel(SC, COUNT, OUT, S, K: tl.constexpr, SP: tl.constexpr, CH: tl.constexpr,
+                                  NCH: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+        """One row, _index_topk_kernel's output without sorting the row: a radix select finds the K-th largest
+        key (order-preserving bits of the score, one byte a pass: a 256-bin histogram of the entries still tied
+        with it), the entries above it and the first of those equal to it (in entry order) are packed as
+        _index_topk_kernel packs them into OUT's row in entry order, and only those K are sorted. A row whose
+        count is past 3/4 of S (SP lanes up to TOPK_ROW_MAX) is held whole in registers (_select_row); a shorter
+        one, or any past TOPK_ROW_MAX, is read a chunk at a time up to its count (_select_chunks)."""
+        pdl_wait(PDL)
+        b = tl.program_id(0)
+        n = tl.minimum(tl.load(COUNT + b), S)
+        top = S - 1  # entries pack reversed (S - 1 - entry) below the key, as _index_topk_kernel's
+        if SP > 0:
+            if n * 4 > S * 3:
+                picked = _select_row(SC, OUT, b, n, S, top, K, SP)
+            else:
+                picked = _select_chunks(SC, OUT, b, n, S, top, K, CH, NCH)
+        else:
+            picked = _select_chunks(SC, OUT, b, n, S, top, K, CH, NCH)
         tl.debug_barrier()  # the row's packed picks, written by all of this program's threads
         rk = tl.arange(0, KP)
         w = tl.load(OUT + b * K + rk, mask=rk < picked, other=-9223372036854775808)
         srt = tl.sort(w, 0, descending=True)
-        tl.store(OUT + b * K + rk, tl.where(rk < picked, SP - 1 - (srt & 0xFFFFFFFF), -1), mask=rk < K)
+        tl.store(OUT + b * K + rk, tl.where(rk < picked, top - (srt & 0xFFFFFFFF), -1), mask=rk < K)
 
 
 # longer rows (max_model_len / csa_ratio past this) take torch.topk: at 16 rows and k = 512 on an H200, 16,384
 # entries 58.7 us in the select kernel against 198.1 in torch, 32,768 129.7 against 135.7
 INDEX_TOPK_MAX = 16384
+# the select kernel's chunk (entries a step of _select_chunks) and the longest row (SP lanes) it holds whole in
+# registers where the row's count is past 3/4 of S. On an H200, 16 rows, k 512, us a call at (S, count), against
+# the kernel before (the whole row always): (4,096, 1,021) 18.6 / 18.9, (4,160, 4,157) 31.5 / 31.6, (4,160,
+# 1,037) 16.4 / 31.3, (8,192, 8,189) 31.7 / 31.9, (8,192, 2,045) 16.9 / 31.4. Past 8,192 lanes chunks only:
+# (8,320, 8,317) 51.4 / 58.8, (8,320, 2,077) 24.4 / 58.3, (16,384, 4,093) 25.3 / 58.6, but (16,384, 16,381)
+# 79.2 / 59.4 (a kernel holding both paths at 16,384 lanes took 75.5 there, and 19.0 for (4,096, 1,021), where
+# chunks alone took 15.0).
+TOPK_CHUNK, TOPK_ROW_MAX = 2048, 8192
 
 
 def index_topk(sc, k: int, count):
     """index_topk_ref in one kernel per row (torch.topk at these k took a radix sort and a gather kernel, plus
     the masking): up to 1,024 entries a bitonic sort of the row, past that a radix select of its k best and a sort
     of those (on an H200 at 16 rows and k = 512: 1,024 entries 11.2 against 11.5 us, 4,096 70.8 against 19.0,
-    8,192 172.9 against 31.6; bench/RESULTS.md)."""
+    8,192 172.9 against 31.6; bench/RESULTS.md), reading only the row's count of entries where it is short
+    (TOPK_ROW_MAX)."""
     B, S = sc.shape
     if not use_triton(sc) or S > INDEX_TOPK_MAX:
         return index_topk_ref(sc, k, count)
@@ -446,8 +510,10 @@ def index_topk(sc, k: int, count):
         if sp <= 1024:
             _index_topk_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp, num_warps=4, **pdl(sc))
         else:
-            _index_topk_select_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp, KP=max(16, pow2(k)),
-                                            num_warps=8 if sp <= 4096 else 16, **pdl(sc))
+            ch = min(TOPK_CHUNK, sp)
+            _index_topk_select_kernel[(B,)](sc.contiguous(), count, out, S, K=k, SP=sp if sp <= TOPK_ROW_MAX else 0,
+                                            CH=ch, NCH=triton.cdiv(S, ch), KP=max(16, pow2(k)),
+                                            num_warps=16 if TOPK_ROW_MAX >= sp > 4096 else 8, **pdl(sc))
     return out
 
 

@@ -514,7 +514,8 @@ def test_moe_align_kernel(T, k, E, absent, n_shared):
 
 
 @pytest.mark.parametrize("B,S,k", [(1, 1024, 512), (64, 1024, 512), (16, 4096, 512), (5, 300, 64), (3, 8, 8),
-                                   (3, 1025, 512), (16, 4160, 512), (4, 16384, 2048), (2, 2000, 2000)])
+                                   (3, 1025, 512), (16, 4160, 512), (8, 8192, 512), (4, 9000, 300),
+                                   (4, 16384, 2048), (2, 2000, 2000)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_index_topk_kernel(B, S, k, ties):
     from tests.kernel_cases import index_topk_case

@@ -362,7 +362,8 @@ INTERPRETED = textwrap.dedent("""
     want = norm(_hc_pre(xs, fn, base, sc, 3, 1e-6, 1e-6)[0])
     assert (got - want).abs().max() < 1e-5 * want.abs().max(), float((got - want).abs().max())
     from tests.kernel_cases import index_topk_case
-    for B, S, k in ((3, 64, 16), (2, 300, 200), (4, 1024, 512), (2, 20, 20), (3, 1500, 100), (2, 1100, 1100)):
+    for B, S, k in ((3, 64, 16), (2, 300, 200), (4, 1024, 512), (2, 20, 20), (3, 1500, 100), (2, 1100, 1100),
+                     (3, 9000, 200)):
         for ties in (False, True):
             assert index_topk_case("cpu", B, S, k, ties=ties), (B, S, k, ties)
     from tests.kernel_cases import route_case
