@@ -393,6 +393,12 @@ if triton is not None:
 
 
     @triton.jit
+    def _row_keys(SC, b, S, rs, n):
+        """Row b's scores at rs (< n) -> (their _score_key, the same as unsigned int64: its bytes the radix digits)."""
+        key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
+        return key, key.to(tl.int64) + 2147483648
+
+    @triton.jit
     def _threshold_step(hist, rem, thr, j):
         """One radix pass's pick from the histogram of the digits of the entries still tied with the threshold:
         the K-th largest's digit; -> (rem: entries still to take among those tied after it, thr with it)."""
@@ -405,8 +411,7 @@ if triton is not None:
         """_index_topk_select_kernel's picks with the whole row held in SP lanes (the radix state a lane each)
         -> how many it packed into OUT's row."""
         rs = tl.arange(0, SP)
-        key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
-        u = key.to(tl.int64) + 2147483648  # unsigned order: its bytes are the radix digits
+        key, u = _row_keys(SC, b, S, rs, n)
         rem, thr = tl.minimum(n, K), (n * 0).to(tl.int64)
         tied, above = rs < n, rs < 0
         j = tl.arange(0, 256)
@@ -434,7 +439,7 @@ if triton is not None:
             for c in range(NCH):
                 if c * CH < n:
                     rs = c * CH + rc
-                    u = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0)).to(tl.int64) + 2147483648
+                    u = _row_keys(SC, b, S, rs, n)[1]
                     tied = rs < n
                     if p > 0:
                         tied = tied & ((u >> (32 - 8 * p)) == thr)
@@ -445,8 +450,7 @@ if triton is not None:
         for c in range(NCH):
             if c * CH < n:
                 rs = c * CH + rc
-                key = _score_key(tl.load(SC + b * S + rs, mask=rs < n, other=0.0))
-                u = key.to(tl.int64) + 2147483648
+                key, u = _row_keys(SC, b, S, rs, n)
                 eq = (rs < n) & (u == thr)
                 pick = ((rs < n) & (u > thr)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
                 at = picked + tl.cumsum(pick.to(tl.int32), 0) - 1
