@@ -472,7 +472,7 @@ if triton is not None:
         b = tl.program_id(0)
         n = tl.minimum(tl.load(COUNT + b), S)
         top = S - 1  # entries pack reversed (S - 1 - entry) below the key, as _index_topk_kernel's
-        if SP > 0:
+        if SP > 0:  # (a constexpr test of its own: no _select_row is compiled at SP 0)
             if n * 4 > S * 3:
                 picked = _select_row(SC, OUT, b, n, S, top, K, SP)
             else:
@@ -486,8 +486,9 @@ if triton is not None:
         tl.store(OUT + b * K + rk, tl.where(rk < picked, top - (srt & 0xFFFFFFFF), -1), mask=rk < K)
 
 
-# longer rows (max_model_len / csa_ratio past this) take torch.topk: at 16 rows and k = 512 on an H200, 16,384
-# entries 58.7 us in the select kernel against 198.1 in torch, 32,768 129.7 against 135.7
+# longer rows (max_model_len / csa_ratio past this) take torch.topk: at 16 rows and k = 512 on an H200, a full row
+# of 32,768 entries took 129.7 us in the whole-row select kernel against 135.7 in torch, and 152.1 in chunks (a
+# quarter full: 44.9 against 135.6); 65,536 full 314.0 in chunks against 177.3 (a quarter: 84.1 against 176.5)
 INDEX_TOPK_MAX = 16384
 # the select kernel's chunk (entries a step of _select_chunks) and the longest row (SP lanes) it holds whole in
 # registers where the row's count is past 3/4 of S. On an H200, 16 rows, k 512, us a call at (S, count), against
