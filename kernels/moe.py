@@ -575,9 +575,12 @@ def _moe_tiles(T: int, scaled: bool = False):
     535 us a step against 600 in the engine; at 16 / 64 tokens 66.1 / 75.3 us against 67.7 / 77.0 for 64 wide,
     and the engine's step (two runs each) 1.80 -> 1.76 ms at batch 16, 2.17 -> 2.15-2.16 at 64 (an older tree had
     measured the opposite at 64: 291 us against 280 for 64 wide). 32- and 64-row blocks: the up kernel on 8 warps
-    (128 tokens, 32-row blocks weights-first: 86.3 us a call against 89.4 on 4)."""
+    (128 tokens, 32-row blocks weights-first: 86.3 us a call against 89.4 on 4). At 17-64 tokens (16-row blocks
+    weights-first, moe_swap) both kernels on 2 stages: two smem buffers a program, three programs an SM."""
     if not scaled:
         return ((32 if T <= 4 else 64), 4, 3), (64, 4, 3)
+    if 16 < T <= 64:  # weights-first 16-row blocks (moe_swap), 2 stages both (see moe_swap)
+        return (128, 4, 2), (128, 4, 2)
     up = (128, 8, 3, 4) if T <= 4 else (128, 8, 3) if moe_block_m(T, True) > 16 else (128, 4, 3)
     return up, ((128 if T > 4 else 64), 4, 3)
 
@@ -605,12 +608,15 @@ def moe_block_m(T: int, scaled: bool = False) -> int:
 
 def moe_swap(T: int, scaled: bool) -> bool:
     """Whether the tiled kernels take their products weights-first (SWAP: (BLOCK_N, rows) tiles) for T tokens: FP8
-    up to 16 tokens, where a 16-row block's x-first product is not Hopper's wgmma (which needs 64 rows) but the
-    weights-first one is, and with moe_block_m's 32-row blocks (65-128 tokens). fused_moe a call on an H200
-    (mini's experts from HBM): 4 tokens 45.3 us against 48.5, 16 tokens 70.5 against 74.4, but 64 tokens 78.8
-    against 77.7; the engine's batch-16 step 1.95 ms against 2.00. Numerics: wgmma's, as at 64-row blocks (see
-    moe_block_m)."""
-    return scaled and (T <= 16 or moe_block_m(T, scaled) == 32)
+    up to 128 tokens (moe_block_m's 16- and 32-row blocks), where a block's x-first product is not Hopper's wgmma
+    (which needs 64 rows) but mma.sync on FP8 weights converted to FP16 in registers (164 of them at 16 rows) and
+    the weights-first one is wgmma on the tiles in shared memory (128). fused_moe a call on an H200 (mini's experts
+    from HBM): 4 tokens 45.3 us against 48.5, 16 tokens 70.5 against 74.4; at 17-64 tokens with 2 pipeline stages
+    in both kernels (_moe_tiles; at 3 they were slower than x-first there): 64 tokens 73.5-73.9 against 75.5-76.1
+    for x-first 3-stage kernels (six timings each, alternated in one machine call), 32 tokens 72.2 against 74.4. The engine's
+    steps: batch 16 1.95 ms against 2.00; FP8 batch 32 / 64 1.73-1.74 / 1.88 ms against 1.78 / 1.91 (two runs
+    each, alternated with the x-first tree). Numerics: wgmma's, as at 64-row blocks (see moe_block_m)."""
+    return scaled and T <= 128
 
 
 def moe_overlap(T: int, scaled: bool) -> bool:
