@@ -613,7 +613,7 @@ def moe_swap(T: int, scaled: bool) -> bool:
     the weights-first one is wgmma on the tiles in shared memory (128). fused_moe a call on an H200 (mini's experts
     from HBM): 4 tokens 45.3 us against 48.5, 16 tokens 70.5 against 74.4; at 17-64 tokens with 2 pipeline stages
     in both kernels (_moe_tiles; at 3 they were slower than x-first there): 64 tokens 73.5-73.9 against 75.5-76.1
-    for x-first 3-stage kernels (six timings each, alternated in one machine call), 32 tokens 72.2 against 74.4. The engine's
+    for x-first 3-stage kernels (six timings each in one machine call), 32 tokens 72.2 against 74.4. The engine's
     steps: batch 16 1.95 ms against 2.00; FP8 batch 32 / 64 1.73-1.74 / 1.88 ms against 1.78 / 1.91 (two runs
     each, alternated with the x-first tree). Numerics: wgmma's, as at 64-row blocks (see moe_block_m)."""
     return scaled and T <= 128
