@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import math
 import os
@@ -1486,6 +1487,12 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*", help="dotted.key=value")
     args = ap.parse_intermixed_args(argv)  # overrides before and after --resume
     rank = int(os.environ.get("RANK", "0"))
+    # a crash in native code (a segfault, an abort: gloo, the allocator) prints every thread's Python stack to
+    # the process's stderr, where torchrun's log has it, before the process dies
+    try:
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no stderr file descriptor (closed, or none at all)
+        pass
     try:
         cfg = RunConfig.load(args.config, args.overrides)
         if "RANK" in os.environ:

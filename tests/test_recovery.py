@@ -5,6 +5,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -350,6 +352,20 @@ def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:  # before torchrun's environment is even looked at
             train_grpo.main(["--config", "configs/tiny.yaml", *argv])
         assert said in str(e.value.code)
+
+
+def test_a_native_crash_prints_the_python_stacks():
+    """A rank that dies in native code (here a segfault where main makes the task; in a run, gloo or the allocator)
+    prints every thread's Python stack to stderr before it goes (faulthandler), so torchrun's log says where."""
+    code = ("import ctypes, train_grpo\n"
+            "def make_task(cfg):\n"
+            "    return ctypes.string_at(0)\n"
+            "train_grpo.make_task = make_task\n"
+            "train_grpo.main(['--config', 'configs/tiny.yaml'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=recovery.ROOT, env=dict(os.environ, PYTHONPATH=str(recovery.ROOT)))
+    assert r.returncode != 0 and "Fatal Python error: Segmentation fault" in r.stderr, r.stderr[-2000:]
+    assert 'line 3 in make_task' in r.stderr and "in main" in r.stderr, r.stderr[-2000:]
 
 
 def test_dataset_lines_long_prompts_and_strict_mode(tmp_path, bpe):
