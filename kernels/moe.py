@@ -290,62 +290,75 @@ if triton is not None:
             tl.atomic_add(READY + pb, 1, sem="release")
 
     @triton.jit
+    def _down_dot(H, SH, S2, w, e, rows, valid, rn, mn, rk, k0, K: tl.constexpr, D: tl.constexpr,
+                  SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One K step of the down kernel: h's (rows, [k0, k0 + BLOCK_K)) times the weight tile w, scaled."""
+        h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
+        if SWAP:
+            d = tl.dot(w, tl.trans(h))
+        else:
+            d = tl.dot(h, tl.trans(w))
+        if SCALED:
+            nkb: tl.constexpr = K // BLOCK_K
+            kb = k0 // BLOCK_K
+            sh = tl.load(SH + rows * nkb + kb, mask=valid, other=0.0)
+            s2 = tl.load(S2 + e.to(tl.int64) * tl.cdiv(D, BLOCK_K) * nkb + (rn // BLOCK_K) * nkb + kb, mask=mn,
+                         other=0.0)
+            if SWAP:
+                d = d * s2[:, None] * sh[None, :]
+            else:
+                d = d * sh[:, None] * s2[None, :]
+        return d
+
+    @triton.jit
     def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SWAP: tl.constexpr = False, PDL: tl.constexpr = False, READY=None, DONE=None, NT=1,
-                         OVERLAP: tl.constexpr = False):
+                         OVERLAP: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...): Y[slot] = (h W2^T) times the slot's
         routing weight (1 for a shared expert), fp32. SWAP as in the up kernel.
-        OVERLAP: the grid is (column tile, row block), and a program waits for its block's NT up tiles (READY[pb],
-        acquire), not for the whole up launch: under PDL this launch's programs take the SMs the up launch's last
-        wave leaves free. It reads nothing before that wait that the up launch or the kernels before it write (the
-        up programs count only after their own PDL wait, so those kernels have finished). The block's last program
-        to finish (DONE[pb]) puts both counts back to 0."""
+        OVERLAP: the grid is (column tile, row block), and a program waits for its block's NT up tiles
+        (READY[pb], acquire), not for the whole up launch: under PDL this launch's programs take the SMs the up
+        launch's last wave leaves free; EARLY: each loads its first weight tile before that wait. It reads
+        nothing before that wait that the up launch or the kernels before it write (the up programs count only
+        after their own PDL wait, so those kernels have finished). The block's last program to finish (DONE[pb])
+        puts both counts back to 0."""
+        tl.static_assert(OVERLAP or not EARLY, "EARLY: the first weight tile before the OVERLAP wait")
         if OVERLAP:
             pn, pb = tl.program_id(0), tl.program_id(1)
             if PDL:
                 gdc_launch_dependents()
-            n = tl.atomic_add(READY + pb, 0, sem="acquire")
-            while n < NT:
-                n = tl.atomic_add(READY + pb, 0, sem="acquire")
         else:
             pdl_wait(PDL)
             pb, pn = tl.program_id(0), tl.program_id(1)
         e = tl.load(BEXP + pb)
+        rows = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = rn < D
+        rk = tl.arange(0, BLOCK_K)
+        wrow = W2 + tl.maximum(e, 0).to(tl.int64) * D * K + rn[:, None] * K + rk[None, :]
+        if EARLY:  # (written before the up launch)
+            w0 = tl.load(wrow, mask=mn[:, None] & (e >= 0), other=0.0)
+        if OVERLAP:
+            n = tl.atomic_add(READY + pb, 0, sem="acquire")
+            while n < NT:
+                n = tl.atomic_add(READY + pb, 0, sem="acquire")
         if e < 0:
             if OVERLAP:
                 _block_done(READY, DONE, pb, tl.num_programs(0))
             return
-        rows = pb * BLOCK_M + tl.arange(0, BLOCK_M)
         slot = tl.load(SLOTS + rows)
         valid = slot < n_slots
-        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = rn < D
-        rk = tl.arange(0, BLOCK_K)
-        nkb: tl.constexpr = K // BLOCK_K
         if SWAP:  # as in the up kernel
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        wbase = e.to(tl.int64) * D * K
-        for k0 in range(0, K, BLOCK_K):
-            h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
-            w = tl.load(W2 + wbase + rn[:, None] * K + (k0 + rk)[None, :], mask=mn[:, None], other=0.0)
-            if SWAP:
-                d = tl.dot(w, tl.trans(h))
-            else:
-                d = tl.dot(h, tl.trans(w))
-            if SCALED:
-                kb = k0 // BLOCK_K
-                sh = tl.load(SH + rows * nkb + kb, mask=valid, other=0.0)
-                soff = e.to(tl.int64) * tl.cdiv(D, BLOCK_K) * nkb + (rn // BLOCK_K) * nkb + kb
-                s2 = tl.load(S2 + soff, mask=mn, other=0.0)
-                if SWAP:
-                    d = d * s2[:, None] * sh[None, :]
-                else:
-                    d = d * sh[:, None] * s2[None, :]
-            acc += d
+        if EARLY:
+            acc += _down_dot(H, SH, S2, w0, e, rows, valid, rn, mn, rk, 0, K, D, SCALED, SWAP, BLOCK_K)
+        for k0 in range(BLOCK_K if EARLY else 0, K, BLOCK_K):
+            w = tl.load(wrow + k0, mask=mn[:, None], other=0.0)
+            acc += _down_dot(H, SH, S2, w, e, rows, valid, rn, mn, rk, k0, K, D, SCALED, SWAP, BLOCK_K)
         if SWAP:
             acc = tl.trans(acc)
         j = slot % KT  # a token's j-th slot: routed (weight WTS[token, j]) or shared (weight 1)
@@ -622,13 +635,24 @@ def moe_swap(T: int, scaled: bool) -> bool:
 def moe_overlap(T: int, scaled: bool) -> bool:
     """Whether the down kernel's programs of a row block start when that block's up tiles are done (under PDL,
     in the SMs the up launch's last wave leaves free) rather than after the whole up launch, for T tokens: BF16,
-    and FP8 with 64-row blocks. fused_moe a call on an H200 (mini's experts from HBM), us, overlapped against
-    not: BF16 16 tokens 104.7 against 108.6, 64 117.0 against 119.1, 128 129.1 against 132.2, 256 149.2 against
-    148.1 (noise); FP8 128 86.9 against 87.2, 256 98.7 against 105.1. The engine's steps (two runs each, two
-    machine sessions): BF16 batch 64 2.60-2.62 ms against 2.63-2.66, FP8 256 3.59-3.63 against 3.65-3.72, FP8 16
-    1.74-1.75 against 1.74, but FP8 64 2.15-2.16 against 2.12-2.13 (16-row blocks: the up tiles launched a block
-    at a time, which overlapping needs, were slower there)."""
-    return not scaled or moe_block_m(T, True) == 64
+    and FP8 past 16 tokens. fused_moe a call on an H200 (mini's experts from HBM), us, overlapped against not:
+    BF16 16 tokens 104.7 against 108.6, 64 115.3-116.0 against 119.6-119.8, 128 129.1 against 132.2, 256 149.2
+    against 148.1 (noise); FP8 16 tokens 64.0-64.2 against 63.3-64.7 (no gain: not there), 32 67.9-68.4 against
+    70.2-70.5, 64 70.2-71.0 against 71.7-71.9, 128 85.4-85.6 against 86.6-87.5, 256 98.7 against 105.1 (FP8 32-128
+    with 5e0acb2's weights-first 2-stage kernels; before them, 16-row x-first 3-stage blocks, overlapping was
+    slower at 64: the engine's FP8 batch 64 2.15-2.16 ms against 2.12-2.13). The engine's FP8 steps, overlapped
+    from 17 tokens (with moe_down_early) against from 129, two runs each alternated in one machine session: batch
+    32 1.72 ms against 1.75, 64 1.90 against 1.92, 128 2.43-2.44 against 2.46; batch 16 1.60 both."""
+    return not scaled or T > 16
+
+
+def moe_down_early(T: int, scaled: bool) -> bool:
+    """Whether the overlapped down programs (moe_overlap) load their first weight tile before they wait for their
+    row block's up tiles, for T tokens: FP8 up to 64 tokens. fused_moe a call on an H200 (mini's experts from
+    HBM, three timings each), us, early against not: FP8 32 tokens 67.9 against 68.3-68.4, 64 70.3-70.6 against
+    70.7-71.0; but 128 89.5-89.7 against 85.4-85.6, and BF16 64 116.5-116.7 against 115.5-115.7 (two tiles early:
+    no better at 32-64 tokens, worse at 128)."""
+    return scaled and T <= 64
 
 
 def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
@@ -640,7 +664,8 @@ def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
 
 def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: float = 10.0, n_shared: int = 0,
               tiles=None, block_m: int | None = None, gemv: bool | None = None, swap: bool | None = None, xq=None,
-              overlap: bool | None = None, summed: bool = True, rows: SlotRows | None = None):
+              overlap: bool | None = None, summed: bool = True, rows: SlotRows | None = None,
+              early: bool | None = None):
     """fused_moe_ref on GPUs: align, [act_quant], up (+ SwiGLU), [act_quant], down (x routing weight), and the sum
     of each token's slots; the shared experts (n_shared) ride along as one more slot per token each. block_m: the
     rows of a row block (default moe_block_m). gemv: the GEMV kernels instead (_moe_gemv; default up to
@@ -648,7 +673,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     (default moe_swap). xq: FP8 weights' input x already quantized, (q, scales) as act_quant gives them (the
     tiled kernels take them instead of an act_quant launch; the GEMV kernels quantize x themselves). overlap: the
     down kernel's programs wait each for its row block's up tiles, not for the whole up launch (default
-    moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way). summed=False: on
+    moe_overlap, under PDL; only where the up kernel's K is unsplit; the same bits either way); early: the
+    overlapped down programs' first weight tile loaded before their wait (default moe_down_early). summed=False: on
     the kernels' path the slot rows unsummed (SlotRows, whose summed() gives the same bits), for a consumer that
     sums them itself; fused_moe_ref's result is summed either way. rows: moe_gemv_early's for this x: the GEMV
     kernels into its buffers, the shared slots beside the kernel before (the same bits; tiles, block_m, gemv and
@@ -691,6 +717,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     part = torch.empty(ks, nb * bm, 2 * I, dtype=torch.float32, device=x.device) if ks > 1 else h
     cnt = tickets(x.device, nb * nt if ks > 1 else 2 * nb) if ks > 1 or overlap else h  # (overlap: ks == 1)
     wts = weights.float().contiguous()
+    early = overlap and (moe_down_early(T, scaled) if early is None else early)
     _moe_up_kernel[(nt, nb) if overlap else (nb, nt, ks)](
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
         xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
@@ -704,7 +731,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     _moe_down_kernel[(nd, nb) if overlap else (nb, nd)](
         hq, sh, w2, s2 if scaled else w2, y, wts, slots, bexp, T * kt,
         K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, SWAP=swap, num_warps=nw2,
-        num_stages=ns2, READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, **pdl(x))
+        num_stages=ns2, READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, EARLY=early,
+        **pdl(x))
     rows = SlotRows(y, ids.contiguous(), E, k, kt, x.dtype)
     return rows.summed() if summed else rows
 

@@ -192,6 +192,10 @@ def test_fused_moe(T, fp8, n_shared, absent):
     for _ in range(3):
         for overlap in (False, True):
             assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=overlap)), overlap
+        if T > 2:  # the overlapped down programs' first weight tile loaded before their wait, or after
+            for early in (False, True):
+                assert torch.equal(got, fused_moe(x, ids, wt, *args, n_shared=n_shared, overlap=True,
+                                                  early=early)), early
     assert tickets_left(x.device) == 0
     # the slot rows unsummed (the engine's run_layers), summed by the next mHC post with its mix partials (4
     # streams; a program a token up to POST_MIX_TOKENS, a 16-token block past them): the bits of summing first

@@ -90,6 +90,7 @@ def test_indexer_topk_ties_in_entry_order():
         assert index_topk_case("cpu", B, S, k, ties=True), (B, S, k)
 
 INTERPRETED = textwrap.dedent("""
+    import itertools
     import torch
     import kernels.moe as km
     from kernels.attention import decode_attention, decode_attention_ref, index_scores, index_scores_ref, unrope_ref
@@ -189,11 +190,12 @@ INTERPRETED = textwrap.dedent("""
                                km.fused_moe(xx, ids_sh, wt, *args[3:], n_shared=n_sh, tiles=((64, *up[1:]), down),
                                             swap=swap)), n_sh
             # the down programs waiting each for its row block's up tiles, or for the whole up launch: the same
-            for w_ in (args[3:], ws_):
+            # (and its first weight tile loaded before that wait, or after)
+            for w_, early in itertools.product((args[3:], ws_), (False, True)):
                 assert torch.equal(km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False,
-                                                overlap=True),
+                                                overlap=True, early=early),
                                    km.fused_moe(xx, ids_sh, wt, *w_, n_shared=n_sh, swap=swap, gemv=False,
-                                                overlap=False)), (n_sh, swap)
+                                                overlap=False)), (n_sh, swap, early)
     km.act_quant = act_quant_ref
     # the up kernel's K split over programs (K 256 here: two ranges), FP8 and plain weights
     xs, ws2 = torch.randn(T, 256, generator=g), [torch.randn(E, I, 256, generator=g) * 0.05,
