@@ -1,6 +1,7 @@
 """Rollout engine throughput on one GPU, against the memory-bandwidth roofline and two peers, in one run.
 
     python bench/rollout.py --config configs/mini.yaml --batches 1,16,64,256 --prompt-len 512 --gen-len 1024
+    python bench/rollout.py --config configs/dsv4.yaml model.num_hidden_layers=4 ...   # dotted overrides
 
 Per batch size: decode tokens/s of the FP8 paged engine (CUDA graphs) and of our BF16 path (same engine,
 weights in BF16); the decode step's bytes -- the FP8 weights of the dense layers and of the experts the step
@@ -240,7 +241,14 @@ def main(argv=None):
     ap.add_argument("--trace", action="store_true", help="with --profile: also one decode step's kernels in start "
                     "order, with their durations and the gaps between them")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value on the config's model section, e.g. "
+                    "model.num_hidden_layers=4 (the JSON's config names them)")
+    args = ap.parse_intermixed_args(argv)
+    bad = [o for o in args.overrides if not o.startswith("model.")]
+    if bad:
+        ap.error(f"{' '.join(bad)}: only model.* keys (the benchmark builds the model section alone)")
+    where = " ".join([args.config, *args.overrides])
+    cfg = ModelConfig.from_dict(load_yaml(args.config, args.overrides)["model"], f"{where}: model")
     if not torch.cuda.is_available():
         raise SystemExit("bench/rollout.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
 
@@ -266,8 +274,7 @@ def main(argv=None):
     if args.gen_len < 2 or args.prompt_len < 1:
         ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens, a 1-token "
                  "prompt")
-    cfg = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
-    res = {"device": torch.cuda.get_device_name(), "config": args.config, "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(), "config": where, "torch": torch.__version__,
            # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
            "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                     text=True).stdout.strip()}
