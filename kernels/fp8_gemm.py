@@ -199,21 +199,37 @@ def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
     return (x @ w.T).to(out_dtype)
 
 
-def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, K blocks a program) of fp8_gemm (_fp8_linear_kernel on act_quant's output). At decode
-    sizes each call is latency-bound, so the K blocks are split over programs. Picked from 24 shapes at 32-256 rows
-    x mini's linears (bench/fp8_linear.py, H200; each within 0.4 us of the fastest): up to 64 rows 32-wide tiles
-    and 4-block ranges; up to 256 rows 64 x 64 tiles, 8-block ranges, 128 wide where that would exceed 256
-    programs (wq_b's 8192 rows at 256: 6.8 us against 8.7). Past 256 rows (prefill) no split: each range's fp32
-    partial would cost M x N x 4 bytes."""
+# fp8_gemm's tiles at 33-64 rows past this many weight bytes (groups x N x K): the release's linears (6-34 MB;
+# mini's are at most 4 MiB, where _gemm_blocks' 32-wide 4-block tiles were fitted)
+GEMM_BIG_WEIGHT = 4 << 20
+
+
+def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, K blocks a program, pipeline stages) of fp8_gemm (_fp8_linear_kernel on act_quant's
+    output). At decode sizes each call is latency-bound, so the K blocks are split over programs. Picked from 24
+    shapes at 32-256 rows x mini's linears (bench/fp8_linear.py, H200; each within 0.4 us of the fastest): up to
+    64 rows 32-wide tiles and 4-block ranges, 5 stages; up to 256 rows 64 x 64 tiles, 8-block ranges, 128 wide
+    where that would exceed 256 programs (wq_b's 8192 rows at 256: 6.8 us against 8.7), 3 stages. Past 256 rows
+    (prefill) no split: each range's fp32 partial would cost M x N x 4 bytes.
+    At 33-64 rows past GEMM_BIG_WEIGHT: 64-wide tiles and the longest range of 16 / 8 / 4 / 2 blocks that leaves
+    at least 96 programs, 3 stages up to 8 blocks, 5 past. bench/fp8_linear.py --config configs/dsv4.yaml
+    --batches 64 --sweep on an H200 (the GEMM alone, rows already quantized; every 16 / 32 / 64 wide x 2-16 blocks
+    x 3 / 5 / 8 stages), us a call, these tiles against the 32-wide 4-block ones: wq_a+wkv (1536 x 4096) 7.6
+    against 8.1 (the sweep's best 7.4), wq_b (32768 x 1024) 11.3 against 26.8, the indexer's wq_b (8192 x 1024)
+    5.8 against 8.9 (best 5.5), wo_a (8 groups of 1024 x 4096) 14.6 against 28.1, wo_b (4096 x 8192) 14.9 against
+    32.3; cuBLAS BF16 8.4 / 22.0 / 7.0 / 22.0 / 24.9."""
     nkb = K // BLOCK
+    if 32 < M <= 64 and groups * N * K > GEMM_BIG_WEIGHT:
+        tiles = -(-N // 64) * groups
+        ks = next((k for k in (16, 8, 4, 2) if nkb % k == 0 and tiles * (nkb // k) >= 96), 1)
+        return 64, 64, ks, (3 if ks <= 8 else 5)
     if M <= 64:
-        return (16 if M <= 16 else 32 if M <= 32 else 64), 32, 4
+        return (16 if M <= 16 else 32 if M <= 32 else 64), 32, 4, 5
     if M > 256:
-        return 64, 64, nkb
+        return 64, 64, nkb, 3
     ks = 8
     programs = triton.cdiv(N, 64) * triton.cdiv(M, 64) * groups * (nkb // divisor_at_most(nkb, ks))
-    return 64, (128 if programs > 256 else 64), ks
+    return 64, (128 if programs > 256 else 64), ks, 3
 
 
 # torch._scaled_mm takes DeepSeek's recipe (1x128 activation tiles, 128x128 weight blocks, fp32 scales) through
@@ -278,7 +294,7 @@ def scaled_mm_ok(device: torch.device, fp8: torch.dtype) -> bool:
 def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int = 1) -> torch.Tensor:
     """xq (M, G*K) fp8, sx (M, G*K/128); wq (G*N, K) fp8, sw (ceil(G*N/128), K/128) -> (M, G*N): with groups G > 1
     the block-diagonal product (group g: x's g-th K columns times the g-th N weight rows; N % 128 == 0).
-    blocks: (BLOCK_M, BLOCK_N, K blocks a program)."""
+    blocks: (BLOCK_M, BLOCK_N, K blocks a program[, pipeline stages]) (default _gemm_blocks)."""
     M, GK = xq.shape
     GN, K = wq.shape
     N = GN // groups
@@ -293,9 +309,11 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
                           for g in range(groups)], 1)
     if blocks is None and scaled_mm_takes(M, N, K, groups) and scaled_mm_ok(xq.device, wq.dtype):
         return scaled_mm(xq, sx, wq, sw, out_dtype)
-    # pipeline depth: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3 faster at 256)
-    return fp8_linear_fused(xq, wq, sw, groups, blocks or _gemm_blocks(M, N, K, groups), sx=sx, out_dtype=out_dtype,
-                            stages=5 if M <= 64 else 3)
+    # pipeline depth where blocks do not give it: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3
+    # faster at 256)
+    bm, bn, ks, *stages = blocks or _gemm_blocks(M, N, K, groups)
+    return fp8_linear_fused(xq, wq, sw, groups, (bm, bn, ks), sx=sx, out_dtype=out_dtype,
+                            stages=stages[0] if stages else 5 if M <= 64 else 3)
 
 
 if triton is not None:

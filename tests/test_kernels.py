@@ -46,6 +46,19 @@ def test_decode_attention_reference_matches_attend():
         assert torch.allclose(out[b], ref[0, 0], atol=1e-5)
 
 
+def test_gemm_tiles_by_weight_size():
+    """fp8_gemm's tiles at 33-64 rows: mini's linears (at most 4 MiB of FP8 weights) keep the 32-wide 4-block tiles
+    fitted on them; the release's take 64-wide tiles and the longest K range that leaves >= 96 programs (the sweep
+    in _gemm_blocks' note); fewer rows keep the small tiles (not measured there)."""
+    from kernels.fp8_gemm import _gemm_blocks
+    for N, K, G in ((1024, 2048, 1), (8192, 512, 1), (4096, 512, 1), (512, 2048, 4), (2048, 2048, 1)):  # mini
+        assert _gemm_blocks(64, N, K, G) == (64, 32, 4, 5), (N, K, G)
+    release = {(1536, 4096, 1): 8, (32768, 1024, 1): 8, (8192, 1024, 1): 8, (1024, 4096, 8): 16, (4096, 8192, 1): 16}
+    for (N, K, G), ks in release.items():
+        assert _gemm_blocks(64, N, K, G) == (64, 64, ks, 3 if ks <= 8 else 5), (N, K, G)
+        assert _gemm_blocks(40, N, K, G)[1:3] == (64, ks) and _gemm_blocks(32, N, K, G) == (32, 32, 4, 5)
+
+
 def test_moe_align_and_reference():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     slots, be = moe_align(ids, 4, block_m=2)
@@ -112,6 +125,9 @@ INTERPRETED = textwrap.dedent("""
     from kernels.fp8_gemm import tickets_left
     assert (fp8_gemm(xq, sx, wq, ws, torch.float32, blocks=(16, 32, 1)) - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
     assert (fp8_gemm(xq, sx, w2q, w2s, torch.float32, blocks=(16, 32, 1), groups=2) - y2).abs().max() < 1e-4
+    # blocks with their pipeline depth (_gemm_blocks' 4-tuples): 64-wide tiles, one block a range
+    y64 = fp8_gemm(xq, sx, wq, ws, torch.float32, blocks=(64, 64, 1, 3))
+    assert (y64 - fp8_gemm_ref(xq, sx, wq, ws)).abs().max() < 1e-4
     assert tickets_left(x.device) == 0
     # act_quant: 3 tiles a row (the program's 4-tile block masked past them); the scales exactly, the bytes where
     # the interpreter's fp8 cast rounds as torch's (see block_quant below)
