@@ -209,8 +209,9 @@ def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int, in
     output). At decode sizes each call is latency-bound, so the K blocks are split over programs. Picked from 24
     shapes at 32-256 rows x mini's linears (bench/fp8_linear.py, H200; each within 0.4 us of the fastest): up to
     64 rows 32-wide tiles and 4-block ranges, 5 stages; up to 256 rows 64 x 64 tiles, 8-block ranges, 128 wide
-    where that would exceed 256 programs (wq_b's 8192 rows at 256: 6.8 us against 8.7), 3 stages. Past 256 rows
-    (prefill) no split: each range's fp32 partial would cost M x N x 4 bytes.
+    where that would exceed 256 programs (wq_b's 8192 rows at 256: 6.8 us against 8.7), 3 stages (within 0.3 us
+    of 5 at 128 rows, faster at 256). Past 256 rows (prefill) no split: each range's fp32 partial would cost M x N
+    x 4 bytes.
     At 33-64 rows past GEMM_BIG_WEIGHT: 64-wide tiles and the longest range of 16 / 8 / 4 / 2 blocks that leaves
     at least 96 programs, 3 stages up to 8 blocks, 5 past. bench/fp8_linear.py --config configs/dsv4.yaml
     --batches 64 --sweep on an H200 (the GEMM alone, rows already quantized; every 16 / 32 / 64 wide x 2-16 blocks
@@ -309,11 +310,9 @@ def fp8_gemm(xq, sx, wq, sw, out_dtype=torch.bfloat16, blocks=None, groups: int 
                           for g in range(groups)], 1)
     if blocks is None and scaled_mm_takes(M, N, K, groups) and scaled_mm_ok(xq.device, wq.dtype):
         return scaled_mm(xq, sx, wq, sw, out_dtype)
-    # pipeline depth where blocks do not give it: 5 at up to 64 rows, 3 past (within 0.3 us of each other at 128; 3
-    # faster at 256)
     bm, bn, ks, *stages = blocks or _gemm_blocks(M, N, K, groups)
     return fp8_linear_fused(xq, wq, sw, groups, (bm, bn, ks), sx=sx, out_dtype=out_dtype,
-                            stages=stages[0] if stages else 5 if M <= 64 else 3)
+                            stages=stages[0] if stages else _gemm_blocks(M, N, K, groups)[3])
 
 
 if triton is not None:
