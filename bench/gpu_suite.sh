@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each bounded in time, logs under $OUT (default bench/out). Parts by name:
-#   bash bench/gpu_suite.sh tests linears rollout train sync grpo
+#   bash bench/gpu_suite.sh tests linears rollout release train sync grpo
+# (release: the engine and its FP8 linears at the release's layer shapes, one rollout GPU's 32 + 1 experts, 4 layers)
 # Triton's compiled kernels (in TRITON_CACHE_DIR, default Triton's own ~/.triton/cache): after the parts, the
 # binaries and metadata of everything in it go to $OUT/triton_cache.tar.gz. On a fresh machine TRITON_CACHE_TAR=that
 # file unpacks them first, so unchanged kernels are not compiled again (the part `tests` on an H200: 418 s cold, 38 s
 # from the cache). The cache's group files name their entries by absolute path: unpack into the same
 # TRITON_CACHE_DIR as they were made in (elsewhere Triton finds none of them and compiles, nothing worse).
 set -u
+PARTS="tests linears rollout release train sync grpo"
+for part in "$@"; do
+  case " $PARTS " in
+    *" $part "*) ;;
+    *) echo "bench/gpu_suite.sh: no part '$part' (the parts: $PARTS)" >&2; exit 2 ;;
+  esac
+done
+# the release's layer shapes on one GPU (configs/dsv4.yaml's model section with these overrides)
+RELEASE=(model.num_hidden_layers=4 "model.compress_ratios=[0, 0, 4, 128]" model.n_routed_experts=32 model.num_hash_layers=1)
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT" || exit 2
 OUT=$(CDPATH= cd -- "$OUT" >/dev/null && pwd)
@@ -34,6 +44,13 @@ for part in "$@"; do
       timeout 300 python3 bench/rollout.py --gen-len 256 --bf16-batches 64 --long-gen 32 --hf-tokens 8 \
         --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
       grep -E "^fp8|^bf16|^long|^transformers" "$OUT/rollout.log" ;;
+    release)
+      timeout 300 python3 bench/rollout.py --config configs/dsv4.yaml --batches 1,16,64 --bf16-batches 1,16,64 \
+        --long-batch 0 --hf-batch 0 --gen-len 64 --json "$OUT/rollout_release.json" "${RELEASE[@]}" \
+        > "$OUT/rollout_release.log" 2>&1
+      grep -E "^fp8|^bf16|Error" "$OUT/rollout_release.log"
+      timeout 200 python3 bench/fp8_linear.py --config configs/dsv4.yaml --batches 16,64 > "$OUT/linears_release.log" 2>&1
+      grep -A12 "^summary" "$OUT/linears_release.log" ;;
     train)
       timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --json "$OUT/train1.json" 2>&1 | grep -E "MFU|Error"
       timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --batch 4 --json "$OUT/train1_b4.json" 2>&1 | grep -E "MFU|Error"

@@ -62,3 +62,11 @@ def test_rollout_bench_checks_its_config_before_the_gpu(monkeypatch):
     with pytest.raises(SystemExit, match="needs a CUDA or ROCm GPU"):
         main(["--config", "configs/dsv4.yaml", "--batches", "1,64", "model.num_hidden_layers=4",
               "model.compress_ratios=[0, 0, 4, 128]", "model.n_routed_experts=32", "model.num_hash_layers=1"])
+
+
+def test_gpu_suite_names_an_unknown_part():
+    """bench/gpu_suite.sh checks every part it is given before it runs any (a typo would otherwise run nothing)."""
+    import subprocess
+    r = subprocess.run(["bash", "bench/gpu_suite.sh", "tests", "rolout"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "OUT": "/nonexistent/out"})
+    assert r.returncode == 2 and "no part 'rolout'" in r.stderr and "release" in r.stderr, r.stderr
