@@ -199,9 +199,24 @@ def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
     return (x @ w.T).to(out_dtype)
 
 
-# fp8_gemm's tiles at 33-64 rows past this many weight bytes (groups x N x K): the release's linears (6-34 MB;
-# mini's are at most 4 MiB, where _gemm_blocks' 32-wide 4-block tiles were fitted)
+# past this many weight bytes (groups x N x K) fp8_gemm up to 64 rows and the one-launch kernel up to 16 take
+# _big_tiles (the GEMV kernel, up to GEMV_ROWS, keeps its own): the release's linears (6-34 MB); mini's are at most 4 MiB, where the small tiles were fitted. The release's layer shapes in the engine
+# (bench/rollout.py --config configs/dsv4.yaml with bench/gpu_suite.sh's `release` overrides, one H200), FP8
+# tok/s with these tiles against without: batch 64 35,955 / 35,944 against 33,160 (33-64 rows), 32 19,380 /
+# 19,326 against 18,870 (17-32 rows), 16 10,956 / 11,033 against 10,757 / 10,713 and 8 5,982 / 5,948 against
+# 5,897 / 5,924 (up to 16 rows; the trees alternated); BF16 24,696 / 13,380 / 7,311 at 64 / 32 / 16.
 GEMM_BIG_WEIGHT = 4 << 20
+
+
+def _big_tiles(N: int, K: int, groups: int, programs: int, widths: tuple[int, ...]) -> tuple[int, int]:
+    """(BLOCK_N, K blocks a program) for a weight past GEMM_BIG_WEIGHT: of the tile widths (narrower first) x K
+    ranges of 16 / 8 / 4 / 2 / 1 blocks, the one with the fewest programs >= `programs` (none reaching it: the
+    most). Each program then streams a long run of the weight, and there are enough of them to fill the GPU."""
+    nkb = K // BLOCK
+    opts = [(-(-N // bn) * groups * (nkb // ks), bn, ks) for bn in widths for ks in (16, 8, 4, 2, 1) if nkb % ks == 0]
+    enough = [o for o in opts if o[0] >= programs]
+    _, bn, ks = min(enough, key=lambda o: o[0]) if enough else max(opts, key=lambda o: o[0])
+    return bn, ks
 
 
 def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int, int]:
@@ -212,20 +227,23 @@ def _gemm_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int, in
     where that would exceed 256 programs (wq_b's 8192 rows at 256: 6.8 us against 8.7), 3 stages (within 0.3 us
     of 5 at 128 rows, faster at 256). Past 256 rows (prefill) no split: each range's fp32 partial would cost M x N
     x 4 bytes.
-    At 33-64 rows past GEMM_BIG_WEIGHT: 64-wide tiles and the longest range of 16 / 8 / 4 / 2 blocks that leaves
-    at least 96 programs, 3 stages up to 8 blocks, 5 past. bench/fp8_linear.py --config configs/dsv4.yaml
-    --batches 64 --sweep on an H200 (the GEMM alone, rows already quantized; every 16 / 32 / 64 wide x 2-16 blocks
-    x 3 / 5 / 8 stages), us a call, these tiles against the 32-wide 4-block ones: wq_a+wkv (1536 x 4096) 7.6
-    against 8.1 (the sweep's best 7.4), wq_b (32768 x 1024) 11.3 against 26.8, the indexer's wq_b (8192 x 1024)
-    5.8 against 8.9 (best 5.5), wo_a (8 groups of 1024 x 4096) 14.6 against 28.1, wo_b (4096 x 8192) 14.9 against
-    32.3; cuBLAS BF16 8.4 / 22.0 / 7.0 / 22.0 / 24.9."""
+    Past GEMM_BIG_WEIGHT: 64-wide tiles and the longest K range (of 16 / 8 / 4 / 2 / 1 blocks) that leaves at
+    least 96 programs at 17-64 rows, 192 up to 16 (_big_tiles), 3 stages up to 8 blocks, 5 past. bench/fp8_linear.py
+    --config configs/dsv4.yaml --batches 64 (32, 16) --sweep on an H200 (the GEMM alone, rows already quantized;
+    every 16 / 32 / 64 wide x 2-16 blocks x 3 / 5 / 8 stages), us a call, these tiles against the 32-wide 4-block
+    ones, at 64 rows (32 rows; 16 rows): wq_a+wkv (1536 x 4096) 7.6 against 8.1 (7.2 against 6.5; 5.7 against
+    5.2), wq_b (32768 x 1024) 11.3 against 26.8 (13.2 against 18.3; 12.1 against 14.4), the indexer's wq_b (8192 x
+    1024) 5.8 against 8.9 (6.0 against 8.1; 5.5 against 5.7), wo_a (8 groups of 1024 x 4096) 14.6 against 28.1
+    (14.6 against 20.2; 12.1 against 15.6), wo_b (4096 x 8192) 14.9 against 32.3 (14.7 against 20.3; 12.1 against
+    15.5); the sweep's best within 1.1 us of these tiles in each of the 15; cuBLAS BF16 8.4 / 22.0 / 7.0 / 22.0 /
+    24.9 at 64 rows."""
     nkb = K // BLOCK
-    if 32 < M <= 64 and groups * N * K > GEMM_BIG_WEIGHT:
-        tiles = -(-N // 64) * groups
-        ks = next((k for k in (16, 8, 4, 2) if nkb % k == 0 and tiles * (nkb // k) >= 96), 1)
-        return 64, 64, ks, (3 if ks <= 8 else 5)
     if M <= 64:
-        return (16 if M <= 16 else 32 if M <= 32 else 64), 32, 4, 5
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        if groups * N * K > GEMM_BIG_WEIGHT:
+            bn, ks = _big_tiles(N, K, groups, 192 if M <= 16 else 96, (64,))
+            return bm, bn, ks, (3 if ks <= 8 else 5)
+        return bm, 32, 4, 5
     if M > 256:
         return 64, 64, nkb, 3
     ks = 8
@@ -514,11 +532,18 @@ def tickets_left(device: torch.device) -> int:
 FUSED_ROWS = 16
 
 
-def _fused_blocks(M: int, N: int, K: int, groups: int) -> tuple[int, int, int]:
+def _fused_blocks(M: int, N: int, K: int, groups: int, scaled: bool = True) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, K blocks a program) of the one-launch kernel: the fastest measured at mini's shapes
     (bench/fp8_linear.py --sweep). Up to 16 rows: 64-wide tiles, K ranges of 2 blocks (K 512: one range); past
-    that, about 128-256 programs: 32-wide tiles and 2-block ranges, or 64 and 4 with 4 groups."""
+    that, about 128-256 programs: 32-wide tiles and 2-block ranges, or 64 and 4 with 4 groups.
+    FP8 weights past GEMM_BIG_WEIGHT up to 16 rows: 64- or 128-wide tiles, the fewest programs >= 192 (_big_tiles).
+    bench/fp8_linear.py --config configs/dsv4.yaml --batches 16 --sweep on an H200 (every 16 / 32 / 64 / 128 wide
+    x 1-16 blocks), us a call, these tiles against 64-wide 2-block ones: wq_a+wkv 6.7 against 7.8 (64 / 4), wq_b
+    15.3 against 17.8 (128 / 8), the indexer's wq_b 6.6 against 8.2 (64 / 4), wo_a 16.7 against 20.6 (64 / 16),
+    wo_b 16.4 against 25.1 (64 / 16): each the sweep's best; cuBLAS BF16 7.8 / 20.9 / 6.7 / 20.5 / 23.3."""
     nkb = K // BLOCK
+    if M <= 16 and scaled and groups * N * K > GEMM_BIG_WEIGHT:
+        return (16, *_big_tiles(N, K, groups, 192, (64, 128)))
     if M <= 16:
         return 16, (64 if N >= 1024 else 32), (2 if nkb > 4 else nkb)
     bm = 32 if M <= 32 else 64
@@ -535,7 +560,7 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
     GN, K = wq.shape
     N = GN // groups
     nkb = K // BLOCK
-    bm, bn, ks = blocks or _fused_blocks(M, N, K, groups)
+    bm, bn, ks = blocks or _fused_blocks(M, N, K, groups, sw is not None)
     ks = divisor_at_most(nkb, ks)
     split = nkb // ks
     y = torch.empty(M, GN, dtype=out_dtype or x2.dtype, device=x2.device)

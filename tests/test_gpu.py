@@ -46,7 +46,7 @@ def test_block_quant_bit_exact(shape, dtype):
     assert torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr)
 
 
-@pytest.mark.parametrize("M", [1, 16, 40, 64, 100, 256, 300])
+@pytest.mark.parametrize("M", [1, 16, 24, 40, 64, 100, 256, 300])
 @pytest.mark.parametrize("N,K", [(2048, 2048), (8192, 512), (512, 2048), (4096, 8192), (300, 1024)])
 def test_fp8_gemm(M, N, K):
     """fp8_gemm's tiles and K ranges at each size (split over programs up to 256 rows, none past) against the
@@ -88,11 +88,13 @@ def test_scaled_mm(M, N, K):
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 40, 64, 100, 256])
-@pytest.mark.parametrize("N,K,G", [(2048, 2048, 1), (8192, 512, 1), (300, 1024, 1), (2048, 2048, 4)])
+@pytest.mark.parametrize("N,K,G", [(2048, 2048, 1), (8192, 512, 1), (300, 1024, 1), (2048, 2048, 4),
+                                   (4096, 8192, 1), (8192, 32768, 8)])  # the last two past GEMM_BIG_WEIGHT
 def test_fp8_linear_fused(M, N, K, G):
     """The one-launch kernel (activation tiles quantized in the GEMM, K ranges added by each tile's last program)
-    against act_quant + fp8_gemm, at each tile shape and K range it may take; repeated launches give the same
-    bits (the ranges are added in order whichever program finishes last) and leave the ticket counters at 0."""
+    against act_quant + fp8_gemm, at each tile shape and K range it may take (None: _fused_blocks', the release's
+    _big_tiles for the last two shapes up to 16 rows); repeated launches give the same bits (the ranges are added
+    in order whichever program finishes last) and leave the ticket counters at 0."""
     from kernels.fp8_gemm import fp8_linear_fused
     f8 = fp8_dtype("cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3

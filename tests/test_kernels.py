@@ -47,16 +47,25 @@ def test_decode_attention_reference_matches_attend():
 
 
 def test_gemm_tiles_by_weight_size():
-    """fp8_gemm's tiles at 33-64 rows: mini's linears (at most 4 MiB of FP8 weights) keep the 32-wide 4-block tiles
-    fitted on them; the release's take 64-wide tiles and the longest K range that leaves >= 96 programs (the sweep
-    in _gemm_blocks' note); fewer rows keep the small tiles (not measured there)."""
-    from kernels.fp8_gemm import _gemm_blocks
+    """The FP8 linears' tiles at decode sizes: mini's linears (at most 4 MiB of FP8 weights) keep the tiles fitted on
+    them; the release's take _big_tiles (the sweeps in _gemm_blocks' and _fused_blocks' notes): fp8_gemm 64-wide
+    tiles and the longest K range that leaves >= 96 programs at 17-64 rows, >= 192 up to 16; the one-launch kernel
+    up to 16 rows the 64- or 128-wide tiles with the fewest programs >= 192. BF16 weights keep the small tiles."""
+    from kernels.fp8_gemm import _big_tiles, _fused_blocks, _gemm_blocks
     for N, K, G in ((1024, 2048, 1), (8192, 512, 1), (4096, 512, 1), (512, 2048, 4), (2048, 2048, 1)):  # mini
-        assert _gemm_blocks(64, N, K, G) == (64, 32, 4, 5), (N, K, G)
-    release = {(1536, 4096, 1): 8, (32768, 1024, 1): 8, (8192, 1024, 1): 8, (1024, 4096, 8): 16, (4096, 8192, 1): 16}
-    for (N, K, G), ks in release.items():
-        assert _gemm_blocks(64, N, K, G) == (64, 64, ks, 3 if ks <= 8 else 5), (N, K, G)
-        assert _gemm_blocks(40, N, K, G)[1:3] == (64, ks) and _gemm_blocks(32, N, K, G) == (32, 32, 4, 5)
+        for M, bm in ((64, 64), (32, 32), (16, 16)):
+            assert _gemm_blocks(M, N, K, G) == (bm, 32, 4, 5), (M, N, K, G)
+        assert _fused_blocks(16, N, K, G) == (16, (64 if N >= 1024 else 32), (2 if K > 512 else K // 128))
+    # (N, K, groups): K blocks of fp8_gemm at 17-64 rows and up to 16, the one-launch kernel's (BLOCK_N, K blocks)
+    release = {(1536, 4096, 1): (8, 4, (64, 4)), (32768, 1024, 1): (8, 8, (128, 8)), (8192, 1024, 1): (8, 4, (64, 4)),
+               (1024, 4096, 8): (16, 16, (64, 16)), (4096, 8192, 1): (16, 16, (64, 16))}
+    for (N, K, G), (ks, ks16, fused) in release.items():
+        for M, bm, k in ((64, 64, ks), (40, 64, ks), (32, 32, ks), (17, 32, ks), (16, 16, ks16), (5, 16, ks16)):
+            assert _gemm_blocks(M, N, K, G) == (bm, 64, k, 3 if k <= 8 else 5), (M, N, K, G)
+        assert _fused_blocks(16, N, K, G) == _fused_blocks(5, N, K, G) == (16, *fused), (N, K, G)
+        assert _fused_blocks(16, N, K, G, scaled=False) == (16, 64, 2)
+    # fewer programs than asked for even at 1-block ranges: the most there are
+    assert _big_tiles(128, 256, 1, 192, (64, 128)) == (64, 1) and _big_tiles(512, 4096, 2, 96, (64,)) == (64, 4)
 
 
 def test_moe_align_and_reference():
