@@ -1,6 +1,7 @@
 """FP8 linears and grouped experts at the decode path's shapes, on one GPU: each configuration's time per call.
 
     python bench/fp8_linear.py --config configs/mini.yaml --batches 1,16,64,256 [--sweep] [--moe [--no-linears]]
+    python bench/fp8_linear.py --config configs/dsv4.yaml model.n_routed_experts=32 ...   # dotted model.* overrides
 
 Linears (the engine's FP8 ones: wq_a+wkv as one, wq_b, the indexer's wq_b, wo_a's grouped product, wo_b):
 cuBLAS BF16 (torch.nn.functional.linear), act_quant + fp8_gemm (two launches), fp8_linear_fused (one launch) at
@@ -29,7 +30,7 @@ from kernels.fp8_gemm import (FUSED_ROWS, _fused_blocks, _gemm_blocks, act_quant
 from kernels.moe import _moe_gemv, _moe_tiles, fused_moe  # noqa: E402
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 from model import ModelConfig  # noqa: E402
-from model.config import load_yaml  # noqa: E402
+from model.config import load_model_config  # noqa: E402
 
 L2_BYTES = 256 << 20  # the weights a timed graph cycles through: well past any GPU's L2
 
@@ -211,12 +212,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time every tile shape, not only the defaults")
     ap.add_argument("--moe", action="store_true", help="also the grouped expert kernels")
     ap.add_argument("--no-linears", action="store_true", help="skip the linears (with --moe: the experts only)")
-    args = ap.parse_args()
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value on the config's model section, e.g. "
+                    "model.n_routed_experts=32")
+    args = ap.parse_intermixed_args()
+    c = load_model_config(args.config, args.overrides)
     if not torch.cuda.is_available():
         raise SystemExit("bench/fp8_linear.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
-    c = ModelConfig.from_dict(load_yaml(args.config)["model"], f"{args.config}: model")
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"{torch.cuda.get_device_name()}, {args.config}")
+    print(f"{torch.cuda.get_device_name()}, {' '.join([args.config, *args.overrides])}")
     if not args.no_linears:
         linears(c, batches, args.sweep)
         bf16_inputs(c, batches)

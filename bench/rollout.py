@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model, save_pretrained  # noqa: E402
 from model.weights import transformers_deepseek_v4  # noqa: E402
-from model.config import load_yaml  # noqa: E402
+from model.config import load_model_config  # noqa: E402
 from rollout_server import Engine, EngineExperts, SamplingParams  # noqa: E402
 
 
@@ -244,11 +244,7 @@ def main(argv=None):
     ap.add_argument("overrides", nargs="*", help="dotted.key=value on the config's model section, e.g. "
                     "model.num_hidden_layers=4 (the JSON's config names them)")
     args = ap.parse_intermixed_args(argv)
-    bad = [o for o in args.overrides if not o.startswith("model.")]
-    if bad:
-        ap.error(f"{' '.join(bad)}: only model.* keys (the benchmark builds the model section alone)")
-    where = " ".join([args.config, *args.overrides])
-    cfg = ModelConfig.from_dict(load_yaml(args.config, args.overrides)["model"], f"{where}: model")
+    cfg = load_model_config(args.config, args.overrides)
     if not torch.cuda.is_available():
         raise SystemExit("bench/rollout.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
 
@@ -274,7 +270,8 @@ def main(argv=None):
     if args.gen_len < 2 or args.prompt_len < 1:
         ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens, a 1-token "
                  "prompt")
-    res = {"device": torch.cuda.get_device_name(), "config": where, "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(), "config": " ".join([args.config, *args.overrides]),
+           "torch": torch.__version__,
            # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
            "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                     text=True).stdout.strip()}
