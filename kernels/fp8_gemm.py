@@ -200,11 +200,12 @@ def fp8_gemm_ref(xq, sx, wq, sw, out_dtype=torch.float32) -> torch.Tensor:
 
 
 # past this many weight bytes (groups x N x K) fp8_gemm up to 64 rows and the one-launch kernel up to 16 take
-# _big_tiles (the GEMV kernel, up to GEMV_ROWS, keeps its own): the release's linears (6-34 MB); mini's are at most 4 MiB, where the small tiles were fitted. The release's layer shapes in the engine
-# (bench/rollout.py --config configs/dsv4.yaml with bench/gpu_suite.sh's `release` overrides, one H200), FP8
-# tok/s with these tiles against without: batch 64 35,955 / 35,944 against 33,160 (33-64 rows), 32 19,380 /
-# 19,326 against 18,870 (17-32 rows), 16 10,956 / 11,033 against 10,757 / 10,713 and 8 5,982 / 5,948 against
-# 5,897 / 5,924 (up to 16 rows; the trees alternated); BF16 24,696 / 13,380 / 7,311 at 64 / 32 / 16.
+# _big_tiles (the GEMV kernel, up to GEMV_ROWS, keeps its own): the release's linears (6-34 MB); mini's are at most
+# 4 MiB, where the small tiles were fitted. The release's layer shapes in the engine (bench/rollout.py --config
+# configs/dsv4.yaml with bench/gpu_suite.sh's `release` overrides, one H200), FP8 tok/s with these tiles against
+# without: batch 64 35,955 / 35,944 against 33,160 (33-64 rows), 32 19,380 / 19,326 against 18,870 (17-32 rows), 16
+# 10,956 / 11,033 against 10,757 / 10,713 and 8 5,982 / 5,948 against 5,897 / 5,924 (up to 16 rows; the trees
+# alternated); BF16 24,696 / 13,380 / 7,311 at 64 / 32 / 16.
 GEMM_BIG_WEIGHT = 4 << 20
 
 

@@ -515,7 +515,6 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:
     return d
 
 
-
 def load_model_config(path: str | Path, overrides: list[str] | tuple = ()) -> ModelConfig:
     """A YAML config's model section with dotted model.* overrides (the benchmarks, which build the model alone):
     any other key, and every bad key or value, is a ConfigError naming the file and the overrides."""
@@ -524,6 +523,7 @@ def load_model_config(path: str | Path, overrides: list[str] | tuple = ()) -> Mo
         raise ConfigError(f"{' '.join(bad)}: only model.* overrides here (the model section is all that is read)")
     where = " ".join([str(path), *overrides])
     return ModelConfig.from_dict(load_yaml(path, overrides).get("model"), f"{where}: model")
+
 
 def _at(where: str, key: str) -> str:
     return f"{where}: {key}" if where.endswith((".json", ".yaml", ".yml")) else f"{where}.{key}"
