@@ -706,6 +706,131 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
     return torch.cat(outs, 1)
 
 
+class FreshGroup:
+    """Sequences a prefill chunk feeds from position 0 (an empty state: new prompts, preemptions recomputed),
+    padded to one (B, T) layout so that each layer's attention, compressors and cache writes run once for all of
+    them: seq_attention and its cache load and store are ~230 small launches a sequence a layer (on an H200 ~20
+    ms a prompt in mini.yaml, most of a GRPO rollout of short prompts). rows (B, T): each (sequence, position)'s
+    packed row; a pad repeats its sequence's last row (right padding: causal, so no real position reads it).
+    index: the sequences' places in the chunk; n: their lengths; packed / valid: the real positions' packed rows
+    and their flat (b * T + t) places in the padded layout."""
+
+    def __init__(self, members: list[tuple[int, Sequence, int, int]], device):
+        self.index = [i for i, _, _, _ in members]
+        self.seqs = [s for _, s, _, _ in members]
+        self.n = [n for _, _, n, _ in members]
+        self.start = [r for _, _, _, r in members]
+        self.T = T = max(self.n)
+        self.device = device
+        self.rows = torch.tensor([[r + min(t, n - 1) for t in range(T)] for r, n in zip(self.start, self.n)],
+                                 device=device)
+        self.packed = torch.tensor([r + t for r, n in zip(self.start, self.n) for t in range(n)], device=device)
+        self.valid = torch.tensor([b * T + t for b, n in enumerate(self.n) for t in range(n)], device=device)
+        self.memo = {}
+
+    def window_index(self, W: int):
+        """-> (slots, ring places, packed rows) of the window cache's rows: each sequence's last W - 1 keys."""
+        if ("w", W) not in self.memo:
+            ix = [(s.slot, t % W, r + t) for s, n, r in zip(self.seqs, self.n, self.start)
+                  for t in range(max(0, n - (W - 1)), n)]
+            self.memo["w", W] = self._tensors(ix, 3)
+        return self.memo["w", W]
+
+    def comp_index(self, r: int, kind: str, BE: int):
+        """A compressor of ratio r whose entries go to the block pool kind (blocks of BE entries): -> (buffer slots,
+        places, packed rows) of each sequence's partial window; (slots, (n, r) packed rows) of its last complete
+        window, the overlap series' source; (blocks, places, flat b * (T // r) + e places) of its entries."""
+        key = ("c", r, kind)
+        if key not in self.memo:
+            C = self.T // r
+            buf = [(s.slot, j, st + n // r * r + j) for s, n, st in zip(self.seqs, self.n, self.start)
+                   for j in range(n % r)]
+            prev = [(s.slot, [st + (n // r - 1) * r + j for j in range(r)])
+                    for s, n, st in zip(self.seqs, self.n, self.start) if n >= r]
+            ent = [(s.blocks[kind][e // BE], e % BE, b * C + e) for b, (s, n) in enumerate(zip(self.seqs, self.n))
+                   for e in range(n // r)]
+            prev = self._tensors(prev, 2)
+            self.memo[key] = (self._tensors(buf, 3), (prev[0], prev[1].view(-1, r)), self._tensors(ent, 3))
+        return self.memo[key]
+
+    def _tensors(self, items, k):
+        return tuple(torch.tensor([it[j] for it in items], dtype=torch.int64, device=self.device) for j in range(k))
+
+
+def fresh_groups(batch, bounds, device, slack: float = 1.5, extra: int = 256) -> list[FreshGroup]:
+    """The chunk's sequences fed from position 0, longest first, in groups whose padded size B x T stays within
+    slack x their tokens + extra."""
+    fresh = sorted((i for i, (_, a, _) in enumerate(batch) if a == 0), key=lambda i: bounds[i] - bounds[i + 1])
+    groups, cur = [], []
+    for i in fresh:
+        n = bounds[i + 1] - bounds[i]
+        if cur and (len(cur) + 1) * cur[0][2] > slack * (sum(m[2] for m in cur) + n) + extra:
+            groups.append(cur)
+            cur = []
+        cur.append((i, batch[i][0], n, bounds[i]))
+    return [FreshGroup(g, device) for g in groups + ([cur] if cur else [])]
+
+
+def fresh_compress(model: Transformer, comp, kv, gate, dtype) -> torch.Tensor:
+    """compress from an empty state for a padded group: kv, gate (B, T, width) -> entries (B, T // ratio, head_dim)
+    in dtype (the pool's, as compress rounds them). Entries past a sequence's own complete windows hold padding; its
+    positions never see them."""
+    B, T = kv.shape[:2]
+    r = comp.ratio
+    c = T // r
+    if c == 0:
+        return kv.new_zeros(B, 0, comp.head_dim, dtype=dtype)
+    cos, sin = model.rope_compress(torch.arange(c, device=kv.device) * r)
+    new, _ = comp.pool(kv[:, : c * r].reshape(B, c, r, -1), gate[:, : c * r].reshape(B, c, r, -1), cos, sin, None)
+    return new.to(dtype)
+
+
+def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, chosen: list | None = None,
+                    budget: int = 1 << 25):
+    """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
+    the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
+    budget (sequence, head, query, key) logits. chosen: a list a sequence (the group's order) to append the
+    indexer's chosen entries of its tokens to."""
+    W, B, T = attn.window, g.rows.shape[0], g.T
+    kv, q = pr["kv"][g.rows], pr["q"][0][g.rows]
+    comp = index = None
+    if attn.compressor is not None:
+        comp = fresh_compress(model, attn.compressor, pr["ckv"][0][g.rows], pr["cgate"][0][g.rows], dtypes[0])
+        if attn.indexer is not None:
+            index = fresh_compress(model, attn.indexer.compressor, pr["ikv"][0][g.rows], pr["igate"][0][g.rows],
+                                   dtypes[1])
+    S = 0 if comp is None else comp.shape[1]
+    chunk = pow2(T)
+    while chunk > 1 and B * q.shape[2] * chunk * (chunk + W - 1 + S) > budget:
+        chunk //= 2
+    p = torch.arange(T, device=kv.device)
+    outs, rec = [], []
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        qp, lo = p[s:e], max(0, s - W + 1)
+        kp = p[lo:e]
+        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
+        cmask = None
+        if comp is not None:
+            cmask = (torch.arange(S, device=kv.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None])[None]
+            if attn.indexer is not None and S:
+                rows = g.rows[:, s:e]
+                sc = attn.indexer.scores(pr["iq"][0][rows], pr["iw"][0][rows], index)
+                top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, S))
+                if chosen is not None:
+                    picked = torch.where(cmask.expand(B, -1, -1).gather(-1, top), top, -1)
+                    rec.append(index_record(picked.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
+                cmask = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
+            elif chosen is not None and attn.indexer is not None:  # no entries yet
+                rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
+        outs.append(attend(q[:, s:e], kv[:, lo:e], allowed[None], comp, cmask, attn.attn_sink, attn.scale))
+    if chosen is not None and rec:
+        rec = torch.cat(rec, 1)
+        for b, (lst, n) in enumerate(zip(chosen, g.n)):
+            lst.append(rec[b, :n])
+    return torch.cat(outs, 1), comp, index
+
+
 def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: tuple = ()) -> str | None:
     """eos: the model's end-of-sequence ids (ModelConfig.eos_ids)."""
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
@@ -1119,6 +1244,27 @@ class PagedCache:
         if st.index is not None:
             self._store_comp(li, seq, st.index, a, b, "i", self.ikeys[li])
 
+    def store_fresh(self, g: FreshGroup, li: int, pr: dict, comp, index):
+        """store for a FreshGroup's sequences at once: pr the chunk's projections, comp / index the group's entries
+        (fresh_attention's)."""
+        W = self.win[li].shape[1]
+        slots, ring, rows = g.window_index(W)
+        self.win[li][slots, ring] = pr["kv"][rows]
+        if comp is not None:
+            self._store_fresh_comp(g, li, "", pr["ckv"][0], pr["cgate"][0], comp, self.entries[li])
+        if index is not None:
+            self._store_fresh_comp(g, li, "i", pr["ikv"][0], pr["igate"][0], index, self.ikeys[li])
+
+    def _store_fresh_comp(self, g, li, prefix, kv, gate, entries, pool):
+        bk, bg = getattr(self, prefix + "buf_kv")[li], getattr(self, prefix + "buf_gate")[li]
+        (bs, bj, br), (ps, pr), (eb, eo, ei) = g.comp_index(bk.shape[1], self.kind[li], self.BE)
+        bk[bs, bj], bg[bs, bj] = kv[br], gate[br]
+        pk = getattr(self, prefix + "prev_kv").get(li)
+        if pk is not None:  # the overlap series: the last complete window's first head_dim columns
+            hd = pk.shape[-1]
+            pk[ps], getattr(self, prefix + "prev_gate")[li][ps] = kv[pr][..., :hd], gate[pr][..., :hd]
+        pool[eb, eo] = entries.flatten(0, 1)[ei].to(pool.dtype)
+
 
 def compress_step_ref(comp, kv, gate, pos, slots, table, bk, bg, pk, pg, pool, cos, sin):
     """kernels.compress.compress_decode's torch twin (same arguments, the compressor module in place of its
@@ -1160,6 +1306,9 @@ class Runner:
         self.fp8 = next((mod.fp8 for mod in model.modules() if isinstance(mod, FP8Linear)), None)
         self.graphs = {}
         self.use_graphs = cuda_graphs and cache.device.type == "cuda"
+        # prefill's sequences from position 0 in padded groups (fresh_attention); ENGINE_BATCH_PREFILL=0: one at a
+        # time (seq_attention), the slow twin
+        self.batch_prefill = os.environ.get("ENGINE_BATCH_PREFILL", "1") != "0"
         cfg = model.cfg
         if self.use_graphs and not moe_kernels_take(torch.empty(0, device=cache.device), cfg.hidden_size,
                                                     cfg.moe_intermediate_size):
@@ -1212,16 +1361,34 @@ class Runner:
             bounds.append(bounds[-1] + b - a)
 
         rec = IndexRecorder(m.cfg.index_topk) if self.record_index else None
+        # sequences fed from position 0 go in padded groups (fresh_attention); the others (a long prompt's later
+        # chunks) one at a time (seq_attention: its slow twin, all of them with batch_prefill off)
+        groups = fresh_groups(batch, bounds, dev) if self.batch_prefill else []
+        grouped = {i for g in groups for i in g.index}
 
         def attention(li, attn, h, tables, hq=None):
             pr = projections(attn, h, pos, tables, hq=hq)
+            chosen = [None if rec is None else rec.seq(li, attn) for _ in batch]  # (in the batch's order)
+            out = torch.empty(pr["q"].shape, dtype=pr["q"].dtype, device=dev) if groups else None
             outs = []
             for i, (s, a, b) in enumerate(batch):
+                if i in grouped:
+                    continue
                 st = c.load(s, li, a)
-                outs.append(seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st,
-                                          chosen=None if rec is None else rec.seq(li, attn)))
+                o = seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st,
+                                  chosen=chosen[i])
                 c.store(s, li, st, a, b)
-            return attn.project_out(torch.cat(outs, 1), *tables[attn.rope_kind])
+                if out is None:
+                    outs.append(o)
+                else:
+                    out[:, bounds[i]:bounds[i + 1]] = o
+            dtypes = (c.entries[li].dtype, c.ikeys[li].dtype if li in c.ikeys else None) if li in c.kind else None
+            for g in groups:
+                o, comp, index = fresh_attention(m, attn, pr, g, dtypes, None if rec is None or attn.indexer is None
+                                                 else [chosen[i] for i in g.index])
+                out[0, g.packed] = o.flatten(0, 1)[g.valid]
+                c.store_fresh(g, li, pr, comp, index)
+            return attn.project_out(torch.cat(outs, 1) if out is None else out, *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]], self.fp8)
         return logits, routing, bounds, None if rec is None else rec.rows(len(ids), dev)

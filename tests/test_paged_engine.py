@@ -1,5 +1,6 @@
 """The paged engine against its slow twin (SimpleEngine) and the model's full-sequence forward."""
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -83,6 +84,54 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
     if "max_batch_tokens" in kw:
         assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
 
+
+
+@pytest.mark.parametrize("extra", [256, 0])  # the prompts in one padded group; in several
+def test_batched_prefill_equals_one_sequence_at_a_time(model, monkeypatch, extra):
+    """Prefill's sequences from position 0 in padded groups (fresh_attention, PagedCache.store_fresh) against its
+    slow twin, seq_attention one sequence at a time (Runner.batch_prefill off): the same outputs and cache contents.
+    Prompts shorter than a compress window, on window boundaries, past the sliding window (16) and the HCA ratio
+    (16), one split over prefill chunks (its later chunk one at a time on both sides), a group sharing a prompt."""
+    prompts = _prompts([1, 3, 4, 8, 16, 17, 31, 48, 70], 7) + _prompts([12], 8) * 3
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    monkeypatch.setattr(rollout_server, "fresh_groups", functools.partial(rollout_server.fresh_groups, extra=extra))
+    n = {}
+    for name in ("fresh", "seq"):  # count the calls of each path
+        f = getattr(rollout_server, name + "_attention")
+        monkeypatch.setattr(rollout_server, name + "_attention",
+                            lambda *a, _f=f, _k=name, **k: n.__setitem__(_k, n[_k] + 1) or _f(*a, **k))
+    calls, outs, caches = [], [], []
+    for batched in (True, False):
+        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, record_index=True,
+                     max_batch_tokens=64)
+        eng.runner.batch_prefill = batched
+        n.update(fresh=0, seq=0)
+        outs.append(eng.generate(prompts, sp))
+        calls.append(dict(n))
+        c = eng.cache
+        caches.append(c.slot_tensors() + c.block_tensors("csa") + c.block_tensors("hca"))
+    layers = model.cfg.num_hidden_layers
+    # chunks of 64 tokens: [1, 3, 4, 8, 16, 17, 31's first 15], [31's last 16, 48], [70's first 64], [70's last 6,
+    # 12]: one group each (the first chunk in two with no extra padding allowed), the later pieces one at a time
+    assert calls[0] == {"fresh": layers * (4 if extra else 5), "seq": layers * 2}
+    assert calls[1] == {"fresh": 0, "seq": layers * 12}
+    for a, b in zip(*outs):
+        _same(a, b)
+    for a, b in zip(*caches):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_groups_bound_their_padding():
+    batch = [(None, 0, n) for n in (5, 100, 6, 90, 7)] + [(None, 3, 10)]  # the last one continues: not fresh
+    bounds = [0]
+    for _, a, b in batch:
+        bounds.append(bounds[-1] + b - a)
+    groups = rollout_server.fresh_groups(batch, bounds, "cpu", slack=1.5, extra=0)
+    assert [g.index for g in groups] == [[1, 3], [4, 2, 0]]  # longest first; a group's B x T <= 1.5 x its tokens
+    g = groups[0]
+    assert g.T == 100 and g.rows.shape == (2, 100) and g.rows[1, 89:].eq(bounds[3] + 89).all()  # pads: last row
+    assert torch.equal(g.packed, torch.cat([torch.arange(5, 105), torch.arange(111, 201)]))
+    assert torch.equal(g.rows.flatten()[g.valid], g.packed)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(max_seqs=2)])
