@@ -1369,26 +1369,21 @@ class Runner:
         def attention(li, attn, h, tables, hq=None):
             pr = projections(attn, h, pos, tables, hq=hq)
             chosen = [None if rec is None else rec.seq(li, attn) for _ in batch]  # (in the batch's order)
-            out = torch.empty(pr["q"].shape, dtype=pr["q"].dtype, device=dev) if groups else None
-            outs = []
+            out = torch.empty(pr["q"].shape, dtype=pr["q"].dtype, device=dev)
             for i, (s, a, b) in enumerate(batch):
                 if i in grouped:
                     continue
                 st = c.load(s, li, a)
-                o = seq_attention(m, attn, pr, bounds[i], bounds[i + 1], pos[bounds[i]:bounds[i + 1]], st,
-                                  chosen=chosen[i])
+                out[:, bounds[i]:bounds[i + 1]] = seq_attention(m, attn, pr, bounds[i], bounds[i + 1],
+                                                                pos[bounds[i]:bounds[i + 1]], st, chosen=chosen[i])
                 c.store(s, li, st, a, b)
-                if out is None:
-                    outs.append(o)
-                else:
-                    out[:, bounds[i]:bounds[i + 1]] = o
             dtypes = (c.entries[li].dtype, c.ikeys[li].dtype if li in c.ikeys else None) if li in c.kind else None
             for g in groups:
                 o, comp, index = fresh_attention(m, attn, pr, g, dtypes, None if rec is None or attn.indexer is None
                                                  else [chosen[i] for i in g.index])
                 out[0, g.packed] = o.flatten(0, 1)[g.valid]
                 c.store_fresh(g, li, pr, comp, index)
-            return attn.project_out(torch.cat(outs, 1) if out is None else out, *tables[attn.rope_kind])
+            return attn.project_out(out, *tables[attn.rope_kind])
 
         logits, routing = run_layers(m, ids, pos, attention, [b - 1 for b in bounds[1:]], self.fp8)
         return logits, routing, bounds, None if rec is None else rec.rows(len(ids), dev)
