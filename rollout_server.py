@@ -592,6 +592,16 @@ def run_layers(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, attenti
     return model.head(h), routing
 
 
+def pool_windows(model: Transformer, comp, kv, gate, first: int, prev=None):
+    """Compressor comp's entries of complete windows: kv, gate (B, c * ratio, width), the first window entry number
+    first of its sequences; prev: the overlap series before it (Compressor.pool's). -> (entries (B, c, head_dim)
+    fp32, the last window's series)."""
+    B, n = kv.shape[:2]
+    r = comp.ratio
+    cos, sin = model.rope_compress((first + torch.arange(n // r, device=kv.device)) * r)
+    return comp.pool(kv.reshape(B, n // r, r, -1), gate.reshape(B, n // r, r, -1), cos, sin, prev)
+
+
 def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     """Append projections (n, width) to a compressor's state; emit the entries of completed windows."""
     kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
@@ -599,10 +609,8 @@ def compress(model: Transformer, comp, st: CompState, kv, gate) -> CompState:
     c = kv.shape[0] // r
     entries, prev = st.entries, st.prev
     if c:
-        wpos = (entries.shape[0] + torch.arange(c, device=kv.device)) * r
-        cos, sin = model.rope_compress(wpos)
         p = None if prev is None else (prev[0][None], prev[1][None])
-        new, last = comp.pool(kv[: c * r].view(1, c, r, -1), gate[: c * r].view(1, c, r, -1), cos, sin, p)
+        new, last = pool_windows(model, comp, kv[None, : c * r], gate[None, : c * r], entries.shape[0], p)
         entries = torch.cat([entries, new[0].to(entries.dtype)])
         if last is not None:
             prev = (last[0][0], last[1][0])
@@ -776,13 +784,10 @@ def fresh_compress(model: Transformer, comp, kv, gate, dtype) -> torch.Tensor:
     in dtype (the pool's, as compress rounds them). Entries past a sequence's own complete windows hold padding; its
     positions never see them."""
     B, T = kv.shape[:2]
-    r = comp.ratio
-    c = T // r
-    if c == 0:
+    n = T // comp.ratio * comp.ratio
+    if n == 0:
         return kv.new_zeros(B, 0, comp.head_dim, dtype=dtype)
-    cos, sin = model.rope_compress(torch.arange(c, device=kv.device) * r)
-    new, _ = comp.pool(kv[:, : c * r].reshape(B, c, r, -1), gate[:, : c * r].reshape(B, c, r, -1), cos, sin, None)
-    return new.to(dtype)
+    return pool_windows(model, comp, kv[:, :n], gate[:, :n], 0)[0].to(dtype)
 
 
 def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, chosen: list | None = None,
