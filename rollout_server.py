@@ -794,10 +794,10 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
                     budget: int = 1 << 25):
     """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
     the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
-    budget (sequence, head, query, key) logits. chosen: a list a sequence (the group's order) to append the
-    indexer's chosen entries of its tokens to."""
-    W, B, T = attn.window, g.rows.shape[0], g.T
-    kv, q = pr["kv"][g.rows], pr["q"][0][g.rows]
+    budget (sequence, head, query, key) logits, each chunk's rows gathered as it goes. chosen: a list a sequence
+    (the group's order) to append the indexer's chosen entries of its tokens to."""
+    W, B, T, H = attn.window, g.rows.shape[0], g.T, pr["q"].shape[2]
+    kv = pr["kv"][g.rows]
     comp = index = None
     if attn.compressor is not None:
         comp = fresh_compress(model, attn.compressor, pr["ckv"][0][g.rows], pr["cgate"][0][g.rows], dtypes[0])
@@ -806,7 +806,7 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
                                    dtypes[1])
     S = 0 if comp is None else comp.shape[1]
     chunk = pow2(T)
-    while chunk > 1 and B * q.shape[2] * chunk * (chunk + W - 1 + S) > budget:
+    while chunk > 1 and B * H * chunk * (chunk + W - 1 + S) > budget:
         chunk //= 2
     p = torch.arange(T, device=kv.device)
     outs, rec = [], []
@@ -819,8 +819,7 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
         if comp is not None:
             cmask = (torch.arange(S, device=kv.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None])[None]
             if attn.indexer is not None and S:
-                rows = g.rows[:, s:e]
-                sc = attn.indexer.scores(pr["iq"][0][rows], pr["iw"][0][rows], index)
+                sc = attn.indexer.scores(pr["iq"][0][g.rows[:, s:e]], pr["iw"][0][g.rows[:, s:e]], index)
                 top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, S))
                 if chosen is not None:
                     picked = torch.where(cmask.expand(B, -1, -1).gather(-1, top), top, -1)
@@ -828,7 +827,8 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
                 cmask = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
-        outs.append(attend(q[:, s:e], kv[:, lo:e], allowed[None], comp, cmask, attn.attn_sink, attn.scale))
+        outs.append(attend(pr["q"][0][g.rows[:, s:e]], kv[:, lo:e], allowed[None], comp, cmask, attn.attn_sink,
+                           attn.scale))
     if chosen is not None and rec:
         rec = torch.cat(rec, 1)
         for b, (lst, n) in enumerate(zip(chosen, g.n)):
