@@ -791,11 +791,12 @@ def fresh_compress(model: Transformer, comp, kv, gate, dtype) -> torch.Tensor:
 
 
 def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, chosen: list | None = None,
-                    budget: int = 1 << 25):
+                    budget: int = 1 << 25, min_rows: int = 512):
     """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
     the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
-    budget (sequence, head, query, key) logits, each chunk's rows gathered as it goes. chosen: a list a sequence
-    (the group's order) to append the indexer's chosen entries of its tokens to."""
+    budget (sequence, head, query, key) logits, but of at least min_rows query rows (B x chunk; seq_attention's
+    chunks are 512), each chunk's rows gathered as it goes. chosen: a list a sequence (the group's order) to append the indexer's chosen
+    entries of its tokens to."""
     W, B, T, H = attn.window, g.rows.shape[0], g.T, pr["q"].shape[2]
     kv = pr["kv"][g.rows]
     comp = index = None
@@ -806,7 +807,7 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
                                    dtypes[1])
     S = 0 if comp is None else comp.shape[1]
     chunk = pow2(T)
-    while chunk > 1 and B * H * chunk * (chunk + W - 1 + S) > budget:
+    while chunk > pow2(-(-min_rows // B)) and B * H * chunk * (chunk + W - 1 + S) > budget:
         chunk //= 2
     p = torch.arange(T, device=kv.device)
     outs, rec = [], []

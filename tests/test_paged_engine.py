@@ -86,8 +86,12 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
 
 
 
-@pytest.mark.parametrize("extra", [256, 0])  # the prompts in one padded group; in several
-def test_batched_prefill_equals_one_sequence_at_a_time(model, monkeypatch, extra):
+@pytest.mark.parametrize("extra,attn_kw", [
+    (256, {}),                           # a chunk's prompts in one padded group, its queries in one piece
+    (0, {}),                             # in several groups
+    (256, dict(budget=1, min_rows=16)),  # queries in pieces of 16 rows a group (windows reaching back into keys)
+])
+def test_batched_prefill_equals_one_sequence_at_a_time(model, monkeypatch, extra, attn_kw):
     """Prefill's sequences from position 0 in padded groups (fresh_attention, PagedCache.store_fresh) against its
     slow twin, seq_attention one sequence at a time (Runner.batch_prefill off): the same outputs and cache contents.
     Prompts shorter than a compress window, on window boundaries, past the sliding window (16) and the HCA ratio
@@ -98,6 +102,7 @@ def test_batched_prefill_equals_one_sequence_at_a_time(model, monkeypatch, extra
     n = {}
     for name in ("fresh", "seq"):  # count the calls of each path
         f = getattr(rollout_server, name + "_attention")
+        f = functools.partial(f, **attn_kw) if name == "fresh" else f
         monkeypatch.setattr(rollout_server, name + "_attention",
                             lambda *a, _f=f, _k=name, **k: n.__setitem__(_k, n[_k] + 1) or _f(*a, **k))
     calls, outs, caches = [], [], []
