@@ -111,6 +111,35 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
             "decode_gb_s": step_bytes / st["decode_s"] / 1e9, "bytes_per_step_mb": step_bytes / max(gen_len - 1, 1) / 1e6}
 
 
+def group_rollout(engine: Engine, prompts: int, group: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
+    """A GRPO step's rollout: `prompts` random prompts of prompt_len tokens, `group` samples each (temperature 1),
+    gen_len new tokens each; the wall time of engine.generate and the engine's own prefill and decode times, with
+    prefill's new sequences in padded groups and (the peer, Runner.batch_prefill off) one at a time. Each timed call
+    follows an untimed one of the same shapes (graphs captured, kernels compiled)."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [p for p in torch.randint(0, engine.cfg.vocab_size, (prompts, prompt_len), generator=g).tolist()
+          for _ in range(group)]
+    sp = SamplingParams(temperature=1.0, max_tokens=gen_len, seed=seed, ignore_eos=True)
+    res, keep = {"prompts": prompts, "group": group, "prompt_len": prompt_len, "gen_len": gen_len}, \
+        engine.runner.batch_prefill
+    try:
+        for name, batched in (("grouped", True), ("one_at_a_time", False)):
+            engine.runner.batch_prefill = batched
+            engine.generate(ps, sp)
+            for k in engine.stats:
+                engine.stats[k] = 0 * engine.stats[k]
+            sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            engine.generate(ps, sp)
+            sync()
+            res[name] = {"wall_s": time.perf_counter() - t0, "prefill_s": engine.stats["prefill_s"],
+                         "decode_s": engine.stats["decode_s"]}
+    finally:
+        engine.runner.batch_prefill = keep
+    return res
+
+
 def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
     """transformers generate in BF16 on the same weights: decode tokens/s from two runs (1 and N new tokens)."""
     DeepseekV4ForCausalLM = transformers_deepseek_v4()[1]
@@ -240,13 +269,15 @@ def main(argv=None):
                     "KERNELS_PDL=0 gives each kernel's own)")
     ap.add_argument("--trace", action="store_true", help="with --profile: also one decode step's kernels in start "
                     "order, with their durations and the gaps between them")
+    ap.add_argument("--grpo", default="32:8:64", help="P:G:L: a GRPO step's rollout, P prompts of L tokens x G "
+                    "samples, --grpo-gen new tokens each (FP8): generate's wall time, prefill and decode, prefill's "
+                    "new sequences grouped and one at a time ('' for none)")
+    ap.add_argument("--grpo-gen", type=int, default=256)
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="dotted.key=value on the config's model section, e.g. "
                     "model.num_hidden_layers=4 (the JSON's config names them)")
     args = ap.parse_intermixed_args(argv)
     cfg = load_model_config(args.config, args.overrides)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/rollout.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
 
     def sizes(flag: str, text: str) -> list[int]:
         """A comma list of positive integers ('' for none), or a usage error naming the flag."""
@@ -258,6 +289,11 @@ def main(argv=None):
             ap.error(f"{flag} {text!r}: positive integers separated by commas ('' for none)")
         return out
     batches, bf16_batches = sizes("--batches", args.batches), sizes("--bf16-batches", args.bf16_batches)
+    grpo = args.grpo.split(":") if args.grpo.strip() else []
+    if grpo and (len(grpo) != 3 or not all(v.strip().isdigit() and int(v) > 0 for v in grpo) or args.grpo_gen < 1):
+        ap.error(f"--grpo {args.grpo!r} / --grpo-gen {args.grpo_gen}: P:G:L, three positive integers ('' for none), "
+                 "and at least one new token")
+    grpo = [int(v) for v in grpo]
     ctxs = sizes("--long-ctx", args.long_ctx)
     profiles = []
     for item in filter(str.strip, args.profile.split(",")):
@@ -270,6 +306,8 @@ def main(argv=None):
     if args.gen_len < 2 or args.prompt_len < 1:
         ap.error(f"--gen-len {args.gen_len} / --prompt-len {args.prompt_len}: at least 2 new tokens, a 1-token "
                  "prompt")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/rollout.py: needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     res = {"device": torch.cuda.get_device_name(), "config": " ".join([args.config, *args.overrides]),
            "torch": torch.__version__,
            # "-dirty": the tracked files differ from that commit (a copy of the tree whose git metadata lags it)
@@ -305,6 +343,16 @@ def main(argv=None):
             res["long"].append(r)
             print(f"long context {c}: batch {args.long_batch} {r['decode_tokens_per_s']:.0f} decode tok/s "
                   f"(prefill {r['prefill_s']:.1f} s)", flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    if grpo:
+        P, G, L = grpo
+        eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=P * G, max_model_len=L + args.grpo_gen + 1)
+        res["grpo"] = r = group_rollout(eng, P, G, L, args.grpo_gen)
+        print(f"grpo rollout {P} prompts x {G}, prompt {L}, {args.grpo_gen} new: " + ", ".join(
+            f"{k.replace('_', ' ')} wall {v['wall_s']:.2f} s (prefill {v['prefill_s']:.2f}, decode {v['decode_s']:.2f})"
+            for k, v in r.items() if isinstance(v, dict)), flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -2,9 +2,12 @@
 import random
 
 import pytest
+import torch
 
-from bench.rollout import kernel_shares, main, step_trace
-from model.config import ConfigError
+from bench.rollout import group_rollout, kernel_shares, main, step_trace
+from model import ModelConfig, build_model
+from model.config import ConfigError, load_yaml
+from rollout_server import Engine
 
 
 def _busy(iv):
@@ -58,6 +61,10 @@ def test_rollout_bench_checks_its_config_before_the_gpu(monkeypatch):
         main(["--config", "configs/tiny.yaml", "model.compress_ratios=[0, 4]"])
     with pytest.raises(ConfigError, match="train.lr=1: only model"):
         main(["--config", "configs/tiny.yaml", "train.lr=1"])
+    for bad in ("32:8", "32:0:64", "a:8:64"):  # usage errors, also before the GPU
+        with pytest.raises(SystemExit) as e:
+            main(["--config", "configs/tiny.yaml", "--grpo", bad])
+        assert e.value.code == 2
     with pytest.raises(SystemExit, match="needs a CUDA or ROCm GPU"):
         main(["--config", "configs/dsv4.yaml", "--batches", "1,64", "model.num_hidden_layers=4",
               "model.compress_ratios=[0, 0, 4, 128]", "model.n_routed_experts=32", "model.num_hash_layers=1"])
@@ -69,3 +76,16 @@ def test_gpu_suite_names_an_unknown_part():
     r = subprocess.run(["bash", "bench/gpu_suite.sh", "tests", "rolout"], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "OUT": "/nonexistent/out"})
     assert r.returncode == 2 and "no part 'rolout'" in r.stderr and "release" in r.stderr, r.stderr
+
+
+def test_group_rollout_times_both_prefill_paths():
+    """bench/rollout.py's GRPO-step rollout (on the CPU here): both prefill paths timed, the engine's switch put back."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+    eng = Engine(build_model(cfg, seed=0), fp8=False, dtype=torch.float32, device="cpu", max_seqs=6, max_model_len=32)
+    r = group_rollout(eng, 2, 3, 5, 4)
+    assert (r["prompts"], r["group"], r["prompt_len"], r["gen_len"]) == (2, 3, 5, 4)
+    for k in ("grouped", "one_at_a_time"):
+        t = r[k]
+        assert 0 < t["prefill_s"] and 0 < t["decode_s"] and t["prefill_s"] + t["decode_s"] <= t["wall_s"]
+    assert eng.runner.batch_prefill
+    assert eng.stats["prefill_tokens"] == 2 * 5 and eng.stats["decode_tokens"] == 6 * 3  # (the last call's)
