@@ -795,8 +795,8 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
     """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
     the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
     budget (sequence, head, query, key) logits, but of at least min_rows query rows (B x chunk; seq_attention's
-    chunks are 512), each chunk's rows gathered as it goes. chosen: a list a sequence (the group's order) to append the indexer's chosen
-    entries of its tokens to."""
+    chunks are 512), each chunk's rows gathered as it goes. chosen: a list a sequence (the group's order) to append
+    the indexer's chosen entries of its tokens to."""
     W, B, T, H = attn.window, g.rows.shape[0], g.T, pr["q"].shape[2]
     kv = pr["kv"][g.rows]
     comp = index = None
@@ -1268,12 +1268,12 @@ class PagedCache:
 
     def _store_fresh_comp(self, g, li, prefix, kv, gate, entries, pool):
         bk, bg = getattr(self, prefix + "buf_kv")[li], getattr(self, prefix + "buf_gate")[li]
-        (bs, bj, br), (ps, pr), (eb, eo, ei) = g.comp_index(bk.shape[1], self.kind[li], self.BE)
+        (bs, bj, br), (ps, prow), (eb, eo, ei) = g.comp_index(bk.shape[1], self.kind[li], self.BE)
         bk[bs, bj], bg[bs, bj] = kv[br], gate[br]
         pk = getattr(self, prefix + "prev_kv").get(li)
         if pk is not None:  # the overlap series: the last complete window's first head_dim columns
             hd = pk.shape[-1]
-            pk[ps], getattr(self, prefix + "prev_gate")[li][ps] = kv[pr][..., :hd], gate[pr][..., :hd]
+            pk[ps], getattr(self, prefix + "prev_gate")[li][ps] = kv[prow][..., :hd], gate[prow][..., :hd]
         pool[eb, eo] = entries.flatten(0, 1)[ei].to(pool.dtype)
 
 

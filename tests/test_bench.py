@@ -79,7 +79,7 @@ def test_gpu_suite_names_an_unknown_part():
 
 
 def test_group_rollout_times_both_prefill_paths():
-    """bench/rollout.py's GRPO-step rollout (on the CPU here): both prefill paths timed, the engine's switch put back."""
+    """bench/rollout.py's GRPO-step rollout (on the CPU here): both prefill paths timed, the switch put back."""
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
     eng = Engine(build_model(cfg, seed=0), fp8=False, dtype=torch.float32, device="cpu", max_seqs=6, max_model_len=32)
     r = group_rollout(eng, 2, 3, 5, 4)
