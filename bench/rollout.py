@@ -120,15 +120,15 @@ def group_rollout(engine: Engine, prompts: int, group: int, prompt_len: int, gen
     ps = [p for p in torch.randint(0, engine.cfg.vocab_size, (prompts, prompt_len), generator=g).tolist()
           for _ in range(group)]
     sp = SamplingParams(temperature=1.0, max_tokens=gen_len, seed=seed, ignore_eos=True)
-    res, keep = {"prompts": prompts, "group": group, "prompt_len": prompt_len, "gen_len": gen_len}, \
-        engine.runner.batch_prefill
+    res = {"prompts": prompts, "group": group, "prompt_len": prompt_len, "gen_len": gen_len}
+    keep = engine.runner.batch_prefill
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     try:
         for name, batched in (("grouped", True), ("one_at_a_time", False)):
             engine.runner.batch_prefill = batched
             engine.generate(ps, sp)
             for k in engine.stats:
                 engine.stats[k] = 0 * engine.stats[k]
-            sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
             engine.generate(ps, sp)
