@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, tickets, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, sm_count, tickets, triton, use_triton
 from .quant import fp8_max
 
 if triton is not None:
@@ -217,9 +217,9 @@ if triton is not None:
                    db * BLOCK_D, OQ, OS, r * (D // BLOCK_D) + db, fmax, 1, BLOCK_D, D, HALF, QUANT)
 
 
-def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, int, int, bool]:
-    """(splits of the key range per (token, head block), keys a loop step, pipeline depth, merge in the kernel).
-    Measured on an H200 at mini's shapes (16 heads of 512, window 128, sel 512; bench/RESULTS.md): under 32
+def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int) -> tuple[int, int, int, bool, int]:
+    """(splits of the key range per (token, head block), keys a loop step, pipeline depth, merge in the kernel,
+    warps). Measured on an H200 at mini's shapes (16 heads of 512, window 128, sel 512; bench/RESULTS.md): under 32
     (token, head block) tiles the step is latency-bound: about 128 programs of 32-key steps, merged by the combine
     kernel (one program per (token, head, 128 columns)); a tile's last split merging them in the kernel took up to
     twice as long there (it reads every split's partial alone). From 32 tiles up the in-kernel merge wins (64
@@ -228,14 +228,19 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int) -> tuple[int, i
     steps 3 deep, the window and HCA entries in 64-key steps. One tile (batch 1): 16-key steps, at most 32
     splits (a call with its combine, us: the window alone 5.3 in 8 against 5.6 in 4 splits of 32 keys; 4 HCA
     entries in a table of 4,096 8.4 in 32 (7.8 in 8) against 12.4 in 128; 130-512 CSA entries 8.5 in 32 against
-    9.4 in 20)."""
+    9.4 in 20). More tiles than SMs (sms): one program a tile on 4 warps in 32-key steps 3 deep, so two fit an SM
+    where 8 warps take one a wave (256 rows, us a call, 8 warps in 64-key steps against these: the window 17.1
+    against 16.0, every CSA entry of ~47 34.4 against 25.3 and of ~255 61.9 against 46.8, HCA 30.7 against 20.8;
+    at 128 rows 8 warps were the faster everywhere)."""
     tiles = B * hb
     if tiles == 1:
-        return max(1, min(triton.cdiv(W, 16) + triton.cdiv(entries, 16), 32)), 16, 2, False
+        return max(1, min(triton.cdiv(W, 16) + triton.cdiv(entries, 16), 32)), 16, 2, False, 8
     if tiles < 32:
-        return max(1, min(triton.cdiv(W, 32) + triton.cdiv(entries, 32), 128 // max(1, tiles))), 32, 2, False
+        return max(1, min(triton.cdiv(W, 32) + triton.cdiv(entries, 32), 128 // max(1, tiles))), 32, 2, False, 8
+    if tiles > sms:
+        return 1, 32, 3, True, 4
     bk, stages = (32, 3) if mode == 1 else (64, 2)
-    return max(1, min(128 // tiles, (triton.cdiv(W, bk) + triton.cdiv(entries, bk)) // 8)), bk, stages, True
+    return max(1, min(128 // tiles, (triton.cdiv(W, bk) + triton.cdiv(entries, bk)) // 8)), bk, stages, True, 8
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
@@ -263,7 +268,7 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
     ksel = sel.shape[1] if sel is not None else 0
     W = win.shape[1]
     hb = triton.cdiv(H, bh)
-    ns, bk, stages, fuse = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap)
+    ns, bk, stages, fuse, warps = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap, sm_count(q.device))
     ns, fuse = splits or ns, fuse if merge is None else merge
     pm = torch.empty(B * H * ns if ns > 1 else 0, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
@@ -277,7 +282,7 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
             oq, osc, scale, H, table.shape[1] if table is not None else 0, fmax,
             W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
-            HALF=half, QUANT=quant and (ns == 1 or fuse), num_warps=8 if d >= 256 else 4, num_stages=stages,
+            HALF=half, QUANT=quant and (ns == 1 or fuse), num_warps=warps if d >= 256 else 4, num_stages=stages,
             **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)

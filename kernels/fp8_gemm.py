@@ -23,6 +23,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (compute units on ROCm); 1 off CUDA (the CPU interpreter)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return _SMS[device]
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= n (>= 1): Triton block sizes."""
     return 1 << max(0, (n - 1).bit_length())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_gemm import pdl, pdl_wait, pow2, triton, use_triton
+from .fp8_gemm import pdl, pdl_wait, pow2, sm_count, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -102,18 +102,13 @@ if triton is not None:
         tl.store(LP + b, tl.sum(tl.where(r == k, bs, 0.0), 0) - lse)
 
 
-_SMS: dict = {}
-
-
 def _slices(B: int, V: int, block: int, device) -> int:
     """Programs a row (vocabulary slices of whole blocks): up to 4 blocks a slice, fewer where B rows would not
     give ~4 programs an SM. On an H200 at mini's vocabulary (129,280, bf16 logits), us a call against 4-block
     slices: 1 row 5.2 against 11.0 (64 slices), 4 rows 6.6 against 11.0, 16 rows 13.7 against 14.7 (32 slices);
     64 rows and more take 4 blocks (42.5 us at 64, compute-bound on the noise)."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     nblk = -(-V // block)
-    per = max(1, min(4, -(-nblk * B // (4 * _SMS[device]))))
+    per = max(1, min(4, -(-nblk * B // (4 * sm_count(device)))))
     return -(-nblk // per)
 
 

@@ -275,6 +275,10 @@ def test_decode_attention(mode):
         a = decode_attention(q[:B1], win, slots[:B1], pos[:B1], sink, d ** -0.5,
                              **{k: v[:B1] if k != "pool" else v for k, v in kw.items()})
         assert rel(a, want[:B1]) < 1e-2, B1
+    # more rows than SMs (the 4-warp plan): the rows again five times over, reading the same cache rows
+    rep = {k: v.repeat(5, *[1] * (v.dim() - 1)) if k != "pool" else v for k, v in kw.items()}
+    a = decode_attention(q.repeat(5, 1, 1), win, slots.repeat(5), pos.repeat(5), sink, d ** -0.5, **rep)
+    assert rel(a, want.repeat(5, 1, 1)) < 1e-2
     # the output rotated back in the kernel's store (the engine's project_out then skips its inverse RoPE), at
     # every merge: the same rotation of the same rounded output (the compiler may fuse its products into FMAs, so
     # an ulp here and there)
