@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.attention import decode_attention, index_scores, index_topk, topk_first
+from kernels.attention import decode_attention, index_scores, index_topk, prefill_attention, topk_first
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
                               small_linear, use_triton)
@@ -676,10 +676,11 @@ class IndexRecorder:
 
 
 def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.Tensor, st: SeqState,
-                  chunk: int = 512, chosen: list | None = None):
+                  chunk: int = 512, chosen: list | None = None, kernel: bool = False):
     """Attention of one sequence's tokens pr[...][a:b] (positions p) over its state, which it advances.
     Queries go in chunks so a long prompt never materializes (tokens x keys) logits at once. -> (1, b - a, H, d).
-    chosen: a list to append the indexer's chosen entries of these tokens to (index_record rows; CSA layers)."""
+    chosen: a list to append the indexer's chosen entries of these tokens to (index_record rows; CSA layers).
+    kernel: the attention itself through prefill_attention where Triton runs (model.attend otherwise)."""
     W = attn.window
     keys = torch.cat([st.window, pr["kv"][a:b]])
     k0 = int(p[-1]) + 1 - keys.shape[0]  # position of keys[0]
@@ -693,25 +694,44 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
     outs = []
     for s in range(0, b - a, chunk):
         e = min(b - a, s + chunk)
-        qp = p[s:e]
-        lo = max(0, int(qp[0]) - W + 1 - k0)
-        kp = torch.arange(k0 + lo, k0 + e + keys.shape[0] - (b - a), device=p.device)
-        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
+        qp, sel = p[s:e], None
         cmask = None
         if comp is not None:
             cmask = torch.arange(comp.shape[0], device=p.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None]
             if attn.indexer is not None and comp.shape[0]:
                 sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
                 top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, comp.shape[0]))
+                sel = torch.where(cmask.gather(-1, top), top, -1)
                 if chosen is not None:
-                    chosen.append(index_record(torch.where(cmask.gather(-1, top), top, -1), attn.indexer.topk))
+                    chosen.append(index_record(sel, attn.indexer.topk))
                 cmask = torch.zeros_like(cmask).scatter_(-1, top, True) & cmask
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
+        if kernel and use_triton(keys):  # keys[r] is position k0 + r; the entries from row 0
+            z = torch.zeros_like(qp)
+            outs.append(prefill_rows(attn, pr["q"][0, a + s:a + e], keys, z - k0, qp, comp, z, sel)[None])
+            continue
+        lo = max(0, int(qp[0]) - W + 1 - k0)
+        kp = torch.arange(k0 + lo, k0 + e + keys.shape[0] - (b - a), device=p.device)
+        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
         outs.append(attend(pr["q"][:, a + s:a + e], keys[None, lo:lo + kp.shape[0]], allowed[None],
                            None if comp is None else comp[None], None if cmask is None else cmask[None],
                            attn.attn_sink, attn.scale))
     return torch.cat(outs, 1)
+
+
+def prefill_rows(attn, q, keys, base, pos, comp, first, sel=None):
+    """prefill_attention for attention layer attn's query rows q (N, H, d) at positions pos: the window's keys in
+    keys (base: each row's row of position 0), compressed entries in comp (first: each row's entry 0; None or
+    empty: none yet); sel (N, k) the indexer's picks (-1: none; padded to its top-k, so one kernel serves every
+    entry count), else every entry up to the row's position (HCA)."""
+    if comp is None or comp.shape[0] == 0:
+        return prefill_attention(q, keys, base, pos, attn.attn_sink, attn.scale, attn.window)
+    if attn.indexer is not None:
+        sel = F.pad(sel, (0, attn.indexer.topk - sel.shape[1]), value=-1)
+        return prefill_attention(q, keys, base, pos, attn.attn_sink, attn.scale, attn.window, comp, first, sel=sel)
+    count = (pos + 1) // attn.compressor.ratio
+    return prefill_attention(q, keys, base, pos, attn.attn_sink, attn.scale, attn.window, comp, first, count=count)
 
 
 class FreshGroup:
@@ -791,12 +811,13 @@ def fresh_compress(model: Transformer, comp, kv, gate, dtype) -> torch.Tensor:
 
 
 def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, chosen: list | None = None,
-                    budget: int = 1 << 25, min_rows: int = 512):
+                    budget: int = 1 << 25, min_rows: int = 512, kernel: bool = False):
     """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
     the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
     budget (sequence, head, query, key) logits, but of at least min_rows query rows (B x chunk; seq_attention's
     chunks are 512), each chunk's rows gathered as it goes. chosen: a list a sequence (the group's order) to append
-    the indexer's chosen entries of its tokens to."""
+    the indexer's chosen entries of its tokens to. kernel: the attention itself through prefill_attention where
+    Triton runs (model.attend otherwise), over the padded rows (a pad repeats its sequence's last query)."""
     W, B, T, H = attn.window, g.rows.shape[0], g.T, pr["q"].shape[2]
     kv = pr["kv"][g.rows]
     comp = index = None
@@ -811,25 +832,34 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
         chunk //= 2
     p = torch.arange(T, device=kv.device)
     outs, rec = [], []
+    fast = kernel and use_triton(kv)
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        qp, lo = p[s:e], max(0, s - W + 1)
-        kp = p[lo:e]
-        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
+        qp, sel = p[s:e], None
         cmask = None
         if comp is not None:
             cmask = (torch.arange(S, device=kv.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None])[None]
             if attn.indexer is not None and S:
                 sc = attn.indexer.scores(pr["iq"][0][g.rows[:, s:e]], pr["iw"][0][g.rows[:, s:e]], index)
                 top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, S))
+                sel = torch.where(cmask.expand(B, -1, -1).gather(-1, top), top, -1)
                 if chosen is not None:
-                    picked = torch.where(cmask.expand(B, -1, -1).gather(-1, top), top, -1)
-                    rec.append(index_record(picked.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
+                    rec.append(index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
                 cmask = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
-        outs.append(attend(pr["q"][0][g.rows[:, s:e]], kv[:, lo:e], allowed[None], comp, cmask, attn.attn_sink,
-                           attn.scale))
+        q = pr["q"][0][g.rows[:, s:e]]
+        if fast:  # row (b, t): its keys from kv's row b * T on, its entries from comp's row b * S on
+            who = torch.arange(B, device=kv.device).repeat_interleave(e - s)
+            o = prefill_rows(attn, q.flatten(0, 1), kv.flatten(0, 1), who * T, qp.repeat(B),
+                             None if comp is None else comp.flatten(0, 1), who * S,
+                             None if sel is None else sel.flatten(0, 1))
+            outs.append(o.view(q.shape))
+            continue
+        lo = max(0, s - W + 1)
+        kp = p[lo:e]
+        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
+        outs.append(attend(q, kv[:, lo:e], allowed[None], comp, cmask, attn.attn_sink, attn.scale))
     if chosen is not None and rec:
         rec = torch.cat(rec, 1)
         for b, (lst, n) in enumerate(zip(chosen, g.n)):
@@ -1333,6 +1363,10 @@ class Runner:
         # prefill's sequences from position 0 in padded groups (fresh_attention); ENGINE_BATCH_PREFILL=0: one at a
         # time (seq_attention), the slow twin
         self.batch_prefill = os.environ.get("ENGINE_BATCH_PREFILL", "1") != "0"
+        # prefill's attention itself through kernels.attention.prefill_attention where Triton runs (the decode
+        # kernel over the chunk's keys and entries, each query row its window and picks); ENGINE_PREFILL_KERNEL=0:
+        # model.attend (torch, every entry scored then masked), the slow twin
+        self.prefill_kernel = os.environ.get("ENGINE_PREFILL_KERNEL", "1") != "0"
         cfg = model.cfg
         if self.use_graphs and not moe_kernels_take(torch.empty(0, device=cache.device), cfg.hidden_size,
                                                     cfg.moe_intermediate_size):
@@ -1399,12 +1433,13 @@ class Runner:
                     continue
                 st = c.load(s, li, a)
                 out[:, bounds[i]:bounds[i + 1]] = seq_attention(m, attn, pr, bounds[i], bounds[i + 1],
-                                                                pos[bounds[i]:bounds[i + 1]], st, chosen=chosen[i])
+                                                                pos[bounds[i]:bounds[i + 1]], st, chosen=chosen[i],
+                                                                kernel=self.prefill_kernel)
                 c.store(s, li, st, a, b)
             dtypes = (c.entries[li].dtype, c.ikeys[li].dtype if li in c.ikeys else None) if li in c.kind else None
             for g in groups:
                 o, comp, index = fresh_attention(m, attn, pr, g, dtypes, None if rec is None or attn.indexer is None
-                                                 else [chosen[i] for i in g.index])
+                                                 else [chosen[i] for i in g.index], kernel=self.prefill_kernel)
                 out[0, g.packed] = o.flatten(0, 1)[g.valid]
                 c.store_fresh(g, li, pr, comp, index)
             return attn.project_out(out, *tables[attn.rope_kind])

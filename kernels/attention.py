@@ -1,4 +1,4 @@
-"""Decode-path attention for DeepSeek-V4 over paged state: one query token per sequence.
+"""Decode-path attention for DeepSeek-V4 over paged state: one query token per sequence (and prefill's rows).
 
     out = decode_attention(q, win, slots, pos, sink, scale, pool, table, sel=..., count=...)
         q (B, H, d); win (n_slots, W, d) ring buffers of the sliding window (position p at p % W);
@@ -9,6 +9,10 @@
         denominator. MQA: one K == V head for all H. unrope (cos, sin) (B, r) fp32: the output (rounded to q's
         dtype) then takes the inverse rotation of its last 2r dims at each row's angles (model.apply_rope(...,
         inverse=True), which project_out would otherwise run as one more kernel).
+    out = prefill_attention(q, keys, base, pos, sink, scale, W, entries, first, sel=..., count=...)
+        prefill's rows, the same kernel over linear buffers: q (N, H, d) at positions pos (N,); row n's window
+        keys[base[n] + kp] for kp in (pos[n] - W, pos[n]], its entry i entries[first[n] + i] (sel / count as above,
+        without the cache's block tables).
     scores = index_scores(qi, wi, pool, table, count, S)
         the Lightning Indexer: sum_h wi[b, h] * relu(qi[b, h] . k[b, s]) * d^-0.5 for s < count[b], -inf after.
 
@@ -65,12 +69,35 @@ def decode_attention_ref(q, win, slots, pos, sink, scale, pool=None, table=None,
             ok = idx < count[:, None]
         keys = torch.cat([keys, _entry_rows(pool, table, idx).to(keys.dtype)], 1)
         valid = torch.cat([valid, ok], 1)
+    out = _attend_rows(q, keys, valid, sink, scale)
+    return out if unrope is None else unrope_ref(out, *unrope)
+
+
+def _attend_rows(q, keys, valid, sink, scale):
+    """q (B, H, d), each row over its own keys (B, K, d) where valid (B, K), and the sinks -> (B, H, d)."""
+    B, H, d = q.shape
     logits = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * scale
     logits = logits.masked_fill(~valid[:, None], float("-inf"))
     logits = torch.cat([logits, sink.float().view(1, H, 1).expand(B, H, 1)], -1)
     p = logits.softmax(-1)[..., :-1]
-    out = torch.einsum("bhk,bkd->bhd", p, keys.float()).to(q.dtype)
-    return out if unrope is None else unrope_ref(out, *unrope)
+    return torch.einsum("bhk,bkd->bhd", p, keys.float()).to(q.dtype)
+
+
+def prefill_attention_ref(q, keys, base, pos, sink, scale, W: int, entries=None, first=None, sel=None, count=None):
+    """prefill_attention's function by gathers: each row's window keys and entries, then _attend_rows."""
+    kp = pos[:, None] - torch.arange(W, device=q.device)
+    valid = kp >= 0
+    rows = keys[(base[:, None] + kp).clamp(0, keys.shape[0] - 1)]
+    if entries is not None:
+        if sel is not None:
+            idx, ok = sel.clamp(min=0), sel >= 0
+        else:
+            idx = torch.arange(int(count.max()) if count.numel() else 0, device=q.device).expand(q.shape[0], -1)
+            ok = idx < count[:, None]
+        rows = torch.cat([rows, entries[(first[:, None] + idx).clamp(0, max(0, entries.shape[0] - 1))].to(rows.dtype)],
+                         1)
+        valid = torch.cat([valid, ok], 1)
+    return _attend_rows(q, rows, valid, sink, scale)
 
 
 if triton is not None:
@@ -113,19 +140,28 @@ if triton is not None:
             tl.store(S + srow + tl.arange(0, NT), sc, mask=tmask)
 
     @triton.jit
+    def _entry_row(TABLE, b, idx, valid, eb, max_blocks, BE: tl.constexpr, LINEAR: tl.constexpr):
+        """Row b's entries idx: their rows of the pool, through its block table (or, LINEAR, from its first, eb)."""
+        if LINEAR:
+            return tl.where(valid, eb + idx, 0)
+        blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
+        return blk * BE + idx % BE
+
+    @triton.jit
     def _decode_attn_kernel(Q, WIN, SLOTS, POS, SINK, PM, PL, PACC, OUT, CNT, POOL, TABLE, SEL, COUNT, COS, SIN,
                             OQ, OS, scale, H, max_blocks, fmax, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr,
                             KSEL: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr,
                             DYNAMIC: tl.constexpr, NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_K: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, LINEAR: tl.constexpr = False):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
         sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
         the sinks, normalizes and stores OUT. Else it stores its running max, sum and unnormalized output (PM, PL,
         PACC) for _decode_combine_kernel, or (MERGE) the last of the NS programs of (token, head block) to finish
         (a ticket counter in CNT, reset to 0 after) merges them in split order with the sinks: the same sum
         whichever finishes last. HALF > 0: the stored output is rotated back; QUANT: also stored quantized in OQ /
-        OS (_store_out)."""
+        OS (_store_out). LINEAR (prefill_attention): WIN and POOL are (rows, D) buffers, row b's window keys at
+        rows SLOTS[b] + kp for positions kp in (p - W, p], kp >= 0, and its entry i at row TABLE[b] + i."""
         pdl_wait(PDL)
         b, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -139,10 +175,18 @@ if triton is not None:
         acc = tl.zeros((BLOCK_H, D), tl.float32)
         for j0 in range(0, W, NS * BLOCK_K):  # (the interpreter takes no program id in a range)
             j = j0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
-            kp = p - ((p - j) % W + W) % W
+            if LINEAR:  # the key j positions back
+                kp = p - j
+            else:  # ring place j of the slot's window
+                kp = p - ((p - j) % W + W) % W
             valid = (j < W) & (kp >= 0)
-            k = tl.load(WIN + (slot * W + j[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+            # (masked lanes at row 0: the interpreter reads them)
+            krow = tl.where(valid, slot + kp, 0) if LINEAR else slot * W + j
+            k = tl.load(WIN + krow[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
             m, l, acc = _online(q, k, valid, m, l, acc, scale)
+        eb = 0
+        if LINEAR:  # row b's first entry
+            eb = tl.load(TABLE + b).to(tl.int64)
         if MODE == 1:  # indexer-selected entries
             nsel = tl.minimum(tl.load(COUNT + b), KSEL) if BOUNDED else KSEL
             # the loop bound is data-dependent on GPU; the CPU interpreter needs a static one
@@ -151,16 +195,16 @@ if triton is not None:
                 idx = tl.load(SEL + b * KSEL + t, mask=t < nsel, other=-1)
                 valid = idx >= 0
                 idx = tl.maximum(idx, 0)
-                blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
-                k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+                k = tl.load(POOL + _entry_row(TABLE, b, idx, valid, eb, max_blocks, BE, LINEAR)[:, None] * D +
+                            rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
         if MODE == 2:  # every entry written so far
             n = tl.load(COUNT + b)
             for t0 in range(0, n if DYNAMIC else CAP, NS * BLOCK_K):
                 idx = t0 + sp * BLOCK_K + tl.arange(0, BLOCK_K)
                 valid = idx < n
-                blk = tl.load(TABLE + b * max_blocks + idx // BE, mask=valid, other=0).to(tl.int64)
-                k = tl.load(POOL + ((blk * BE + idx % BE)[:, None]) * D + rd[None, :], mask=valid[:, None], other=0.0)
+                k = tl.load(POOL + _entry_row(TABLE, b, idx, valid, eb, max_blocks, BE, LINEAR)[:, None] * D +
+                            rd[None, :], mask=valid[:, None], other=0.0)
                 m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
         sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
         offs = (b * H + rh[:, None]) * D + rd[None, :]
@@ -250,12 +294,39 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
     fp8 (an FP8 dtype): -> (out, oq) with oq the output's (B, H * d) rows quantized per 1x128 tile as act_quant
     gives them, (q, scales), stored by the same kernels (the output projection's FP8 GEMM input), or None where
     they do not make them (d not a multiple of 128, no Triton)."""
-    B, H, d = q.shape
-    half = 0 if unrope is None else unrope[0].shape[-1]
-    quant = fp8 is not None and d % 128 == 0
+    d = q.shape[-1]
     if not use_triton(q) or d < 16 or d & (d - 1):
         out = decode_attention_ref(q, win, slots, pos, sink, scale, pool, table, sel, count, unrope)
         return out if fp8 is None else (out, None)
+    paged = pool is not None
+    return _attention(q, win, slots, pos, sink, scale, pool, table, sel, count, splits, merge, unrope, fp8, False,
+                      win.shape[1], pool.shape[1] if paged else 1, table.shape[1] * pool.shape[1] if paged else 0,
+                      table.shape[1] if paged else 0)
+
+
+def prefill_attention(q, keys, base, pos, sink, scale, W: int, entries=None, first=None, sel=None, count=None,
+                      splits: int | None = None, merge: bool | None = None):
+    """Prefill's attention: the decode kernel over many query rows, their keys in linear buffers (no cache).
+    q (N, H, d) rows at positions pos (N,); keys (R, d): a row's key at position kp is keys[base[n] + kp], its
+    window the positions (pos[n] - W, pos[n]] from 0 on; entries (E, d): its entry i is entries[first[n] + i],
+    sel (N, K) the ids it attends to (-1: none; CSA's indexer picks) or count (N,): entries [0, count[n]) (HCA).
+    -> (N, H, d) in q's dtype, prefill_attention_ref's function (model.attend's, one query row at a time)."""
+    d = q.shape[-1]
+    if not use_triton(q) or d < 16 or d & (d - 1):
+        return prefill_attention_ref(q, keys, base, pos, sink, scale, W, entries, first, sel, count)
+    keys, base, pos, entries, first, count = (None if t is None else t.contiguous()  # (the kernel's addressing)
+                                              for t in (keys, base, pos, entries, first, count))
+    return _attention(q, keys, base, pos, sink, scale, entries, first, sel, count, splits, merge, None, None, True, W,
+                      1, 0 if entries is None else entries.shape[0], 0)
+
+
+def _attention(q, win, slots, pos, sink, scale, pool, table, sel, count, splits, merge, unrope, fp8, linear: bool,
+               W: int, BE: int, cap: int, max_blocks: int):
+    """decode_attention's and prefill_attention's launch (linear: prefill's addressing, _decode_attn_kernel's
+    LINEAR): cap the entries a row may reach (mode 2's loop bound under the interpreter)."""
+    B, H, d = q.shape
+    half = 0 if unrope is None else unrope[0].shape[-1]
+    quant = fp8 is not None and d % 128 == 0
     cos, sin = (t.float().contiguous() for t in unrope) if half else (q, q)
     out = torch.empty_like(q)
     oq = torch.empty(B, H * d, dtype=fp8, device=q.device) if quant else out
@@ -264,9 +335,7 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
     mode = 0 if pool is None else (1 if sel is not None else 2)
     dummy = slots
     bh = 16
-    cap = table.shape[1] * pool.shape[1] if pool is not None else 0
     ksel = sel.shape[1] if sel is not None else 0
-    W = win.shape[1]
     hb = triton.cdiv(H, bh)
     ns, bk, stages, fuse, warps = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap, sm_count(q.device))
     ns, fuse = splits or ns, fuse if merge is None else merge
@@ -279,11 +348,11 @@ def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel
             tickets(q.device, B * hb) if fuse and ns > 1 else pm,
             pool if pool is not None else win, table if table is not None else dummy,
             sel.contiguous() if sel is not None else dummy, count if count is not None else dummy, cos, sin,
-            oq, osc, scale, H, table.shape[1] if table is not None else 0, fmax,
-            W=W, D=d, BE=pool.shape[1] if pool is not None else 1, KSEL=ksel, CAP=cap, MODE=mode,
+            oq, osc, scale, H, max_blocks, fmax,
+            W=W, D=d, BE=BE, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
             HALF=half, QUANT=quant and (ns == 1 or fuse), num_warps=warps if d >= 256 else 4, num_stages=stages,
-            **pdl(q))
+            LINEAR=linear, **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)
             _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, cos, sin, oq, osc, H, fmax, D=d, NS=ns,

@@ -306,3 +306,23 @@ def step_inputs_case(device, n: int, D: int, half: int, offsets, windows, cols) 
     flat = [*got[:4], *got[4]], [*want[:4], *want[4]]
     return len(got[4]) == len(cols) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
                                             for a, b in zip(*flat))
+
+
+def prefill_attention_case(device, H: int = 4, d: int = 32, seed: int = 0):
+    """Two sequences' query rows in linear buffers, as the engine's prefill lays them out: a new prompt (positions
+    0-19, its keys from row 0) and a later chunk of another (positions 30-41, after its 7 cached window keys: keys
+    of positions 23-41 from row 20), with 5 and 10 entries; sel: picks among each row's entries (-1 padded).
+    For a window of 8. -> q, keys, base, pos, sink, entries, first, sel, count."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(20), torch.arange(30, 42)])
+    base = torch.tensor([0] * 20 + [20 - 23] * 12)
+    first = torch.tensor([0] * 20 + [5] * 12)
+    q, keys = torch.randn(32, H, d, generator=g), torch.randn(39, d, generator=g)
+    entries = torch.randn(15, d, generator=g)
+    count = torch.minimum((pos + 1) // 4, torch.tensor([5] * 20 + [10] * 12))
+    sel = torch.full((32, 6), -1)
+    for n in range(32):
+        pick = torch.randperm(int(count[n]), generator=g)[:4]
+        sel[n, :len(pick)] = pick
+    ts = (q, keys, base, pos, torch.randn(H, generator=g), entries, first, sel, count)
+    return tuple(t.to(device) for t in ts)

@@ -674,6 +674,50 @@ def test_engine_graphs_match_eager_and_simple():
         # the two picks' log-probs must be as close as the shared tokens' (a near-tie, not an error: 0.088 nats
         # at most in those runs).
         _logprobs_close(outs["graphs"], outs["simple"], fp8)
+        # prefill's attention: prompts in chunks of at most 64 tokens (the later chunks one sequence at a time over
+        # the cached window and entries), and torch's attention instead of the kernel (ENGINE_PREFILL_KERNEL=0)
+        chunked = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, max_batch_tokens=64, **rec)
+        _logprobs_close(chunked.generate(prompts, sp), outs["simple"], fp8)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ENGINE_PREFILL_KERNEL", "0")
+            eng = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, **rec)
+            assert not eng.runner.prefill_kernel
+            _logprobs_close(eng.generate(prompts, sp), outs["graphs"], fp8)
+
+
+@pytest.mark.parametrize("mode", ["window", "csa", "hca"])
+def test_prefill_attention(mode):
+    """prefill_attention (the decode kernel over linear buffers) against its reference at mini's head shapes: a
+    chunk of one sequence after 500 positions (its window's 127 earlier keys first in the buffer) and a new
+    prompt's rows, 1 to 600 rows (split and merged by the combine kernel, merged in the kernel, one split on 4
+    warps past the SMs)."""
+    from kernels.attention import prefill_attention, prefill_attention_ref
+    H, d, W, T = 16, 512, 128, 600
+    g = torch.Generator("cuda").manual_seed(2)
+    q = torch.randn(T, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    keys = torch.randn(W - 1 + T, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    pos = 500 + torch.arange(T, device="cuda")
+    pos[:40] = torch.arange(40, device="cuda")  # 40 rows of a new prompt whose keys start at row 0
+    base = torch.where(pos >= 500, W - 1 - 500, 0)
+    entries = torch.randn(300, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    first = torch.where(pos >= 500, 20, 0)
+    count = torch.minimum((pos + 1) // 4, torch.where(pos >= 500, 280, 20))
+    kw = {}
+    if mode == "csa":
+        sel = torch.rand(T, 512, device="cuda", generator=g).argsort(-1)[:, :64]
+        kw = dict(entries=entries, first=first, sel=torch.where(sel < count[:, None], sel, -1))
+    elif mode == "hca":
+        kw = dict(entries=entries, first=first, count=count)
+    for n in (1, 20, 100, 600):
+        want = prefill_attention_ref(q[-n:], keys, base[-n:], pos[-n:], sink, d ** -0.5, W,
+                                     **{k: v[-n:] if k != "entries" else v for k, v in kw.items()})
+        got = prefill_attention(q[-n:], keys, base[-n:], pos[-n:], sink, d ** -0.5, W,
+                                **{k: v[-n:] if k != "entries" else v for k, v in kw.items()})
+        assert rel(got, want) < 1e-2, n
+    mixed = prefill_attention(q, keys, base, pos, sink, d ** -0.5, W, **kw)
+    assert rel(mixed[:40], prefill_attention_ref(q[:40], keys, base[:40], pos[:40], sink, d ** -0.5, W,
+                                                 **{k: v[:40] if k != "entries" else v for k, v in kw.items()})) < 1e-2
 
 
 def test_engine_steps_that_skip_the_indexer():

@@ -46,6 +46,28 @@ def test_decode_attention_reference_matches_attend():
         assert torch.allclose(out[b], ref[0, 0], atol=1e-5)
 
 
+def test_prefill_attention_reference_matches_attend():
+    """prefill_attention's function is model.attend's (the engine's prefill path on the CPU) row by row: the window's
+    keys (pos - W, pos] and the picked entries (CSA) or the first count (HCA)."""
+    from kernels.attention import prefill_attention, prefill_attention_ref
+    from tests.kernel_cases import prefill_attention_case
+    q, keys, base, pos, sink, entries, first, sel, count = prefill_attention_case("cpu")
+    W = 8
+    for kw in ({}, dict(sel=sel), dict(count=count)):
+        ent = dict(entries=entries, first=first, **kw) if kw else {}
+        out = prefill_attention_ref(q, keys, base, pos, sink, 0.3, W, **ent)
+        assert torch.equal(out, prefill_attention(q, keys, base, pos, sink, 0.3, W, **ent))  # (the CPU's path)
+        for n in range(len(pos)):
+            kp = torch.arange(max(0, int(pos[n]) - W + 1), int(pos[n]) + 1)
+            comp, cmask = None, None
+            if kw:
+                ids = sel[n][sel[n] >= 0] if "sel" in kw else torch.arange(int(count[n]))
+                comp, cmask = entries[first[n] + ids][None], torch.ones(1, 1, len(ids), dtype=torch.bool)
+            ref = attend(q[n][None, None], keys[base[n] + kp][None], torch.ones(1, 1, len(kp), dtype=torch.bool),
+                         comp, cmask, sink, 0.3)
+            assert torch.allclose(out[n], ref[0, 0], atol=1e-5), (kw.keys(), n)
+
+
 def test_gemm_tiles_by_weight_size():
     """The FP8 linears' tiles at decode sizes: mini's linears (at most 4 MiB of FP8 weights) keep the tiles fitted on
     them; the release's take _big_tiles (the sweeps in _gemm_blocks' and _fused_blocks' notes): fp8_gemm 64-wide
@@ -292,6 +314,17 @@ INTERPRETED = textwrap.dedent("""
         assert torch.equal(osc, s2_) and torch.equal(oq.view(torch.uint8), q2_.view(torch.uint8)), (splits, merge)
     assert decode_attention(qq, win, slots, pos, sink, 0.3, fp8=torch.float8_e4m3fn)[1] is None
     assert tickets_left(x.device) == 0
+    # prefill's rows over linear buffers (the same kernel, LINEAR): the window alone, CSA picks, HCA counts; one
+    # split, splits merged in the kernel and by the combine kernel
+    from kernels.attention import prefill_attention, prefill_attention_ref
+    from tests.kernel_cases import prefill_attention_case
+    pq, pkeys, pbase, ppos, psink, pent, pfirst, psel, pcount = prefill_attention_case("cpu")
+    for kw in ({}, dict(entries=pent, first=pfirst, sel=psel), dict(entries=pent, first=pfirst, count=pcount)):
+        want = prefill_attention_ref(pq, pkeys, pbase, ppos, psink, 0.3, 8, **kw)
+        for splits, merge in ((1, None), (3, True), (3, False)):
+            a = prefill_attention(pq, pkeys, pbase, ppos, psink, 0.3, 8, splits=splits, merge=merge, **kw)
+            assert (a - want).abs().max() < 1e-5, (kw.keys(), splits, merge)
+    assert tickets_left(x.device) == 0
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
@@ -531,9 +564,13 @@ sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 
 kw = dict(fp8=True, dtype=torch.float32, device="cpu", record_index=True)
 a = Engine(m, max_model_len=128, **kw).generate(prompts, sp)
 b = SimpleEngine(m, **kw).generate(prompts, sp)
-for x, y in zip(a, b):
-    assert x.token_ids == y.token_ids and torch.equal(x.routed_experts, y.routed_experts)
-    assert torch.equal(x.index_entries, y.index_entries)
+# prompts in chunks of at most 24 tokens: the later chunks one sequence at a time (prefill's attention kernel over
+# the cached window and entries)
+c = Engine(m, max_model_len=128, max_batch_tokens=24, **kw).generate(prompts, sp)
+for x, y, z in zip(a, b, c):
+    assert x.token_ids == y.token_ids == z.token_ids and torch.equal(x.routed_experts, y.routed_experts)
+    assert torch.equal(x.index_entries, y.index_entries) and torch.equal(z.index_entries, y.index_entries)
+    assert torch.equal(z.routed_experts, y.routed_experts)
 assert int(a[-1].index_entries.max()) >= 4  # past 4 entries the indexer chooses among them
 assert quantized["hc_pre"] > 0 and quantized["rms_norm_quant"] > 0 and quantized["gemv_norm"] > 0, quantized
 print("ok")
@@ -543,8 +580,9 @@ print("ok")
 def test_fp8_paged_engine_under_the_interpreter():
     """The paged FP8 engine on the decode path's Triton kernels (3 rows a step, widths in 128s: the mHC pre and
     q-norm kernels' quantized rows feed the FP8 linears and the experts; the index_topk kernel's choices
-    recorded; then a one-row step: the GEMV kernels, wq_b's taking the q norm) against the simple engine: tokens,
-    routing and the indexer's choices. CPU, a few minutes (skipped without Triton, as on CI)."""
+    recorded; then a one-row step: the GEMV kernels, wq_b's taking the q norm) and prefill's attention kernel
+    (whole prompts, and prompts in chunks) against the simple engine: tokens, routing and the indexer's choices.
+    CPU, a few minutes (skipped without Triton, as on CI)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-c", ENGINE_INTERPRETED], capture_output=True, text=True, env=env,
