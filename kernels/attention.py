@@ -180,7 +180,7 @@ if triton is not None:
             else:  # ring place j of the slot's window
                 kp = p - ((p - j) % W + W) % W
             valid = (j < W) & (kp >= 0)
-            # (masked lanes at row 0: the interpreter reads them)
+            # (a masked lane's address kept at row 0, inside the buffer: a prefill row's lanes before position 0)
             krow = tl.where(valid, slot + kp, 0) if LINEAR else slot * W + j
             k = tl.load(WIN + krow[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
             m, l, acc = _online(q, k, valid, m, l, acc, scale)
