@@ -700,11 +700,9 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
             cmask = torch.arange(comp.shape[0], device=p.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None]
             if attn.indexer is not None and comp.shape[0]:
                 sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
-                top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, comp.shape[0]))
-                sel = torch.where(cmask.gather(-1, top), top, -1)
+                sel, cmask = index_pick(attn, sc, cmask)
                 if chosen is not None:
                     chosen.append(index_record(sel, attn.indexer.topk))
-                cmask = torch.zeros_like(cmask).scatter_(-1, top, True) & cmask
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
         if kernel and use_triton(keys):  # keys[r] is position k0 + r; the entries from row 0
@@ -718,6 +716,14 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
                            None if comp is None else comp[None], None if cmask is None else cmask[None],
                            attn.attn_sink, attn.scale))
     return torch.cat(outs, 1)
+
+
+def index_pick(attn, sc, cmask):
+    """The indexer's top-k of its scores sc (..., S) among the entries cmask allows (broadcast to sc): -> (the picks
+    (..., min(top-k, S)), -1 where a pick is not allowed; the mask of the allowed picks, sc's shape)."""
+    top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, sc.shape[-1]))
+    sel = torch.where(cmask.expand_as(sc).gather(-1, top), top, -1)
+    return sel, torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
 
 
 def prefill_rows(attn, q, keys, base, pos, comp, first, sel=None):
@@ -841,11 +847,9 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
             cmask = (torch.arange(S, device=kv.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None])[None]
             if attn.indexer is not None and S:
                 sc = attn.indexer.scores(pr["iq"][0][g.rows[:, s:e]], pr["iw"][0][g.rows[:, s:e]], index)
-                top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, S))
-                sel = torch.where(cmask.expand(B, -1, -1).gather(-1, top), top, -1)
+                sel, cmask = index_pick(attn, sc, cmask)
                 if chosen is not None:
                     rec.append(index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
-                cmask = torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
         q = pr["q"][0][g.rows[:, s:e]]
