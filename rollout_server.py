@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.attention import decode_attention, index_scores, index_topk, prefill_attention, topk_first
+from kernels.attention import (decode_attention, index_scores, index_topk, prefill_attention, prefill_index,
+                               prefill_index_ref)
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
                               small_linear, use_triton)
@@ -676,11 +677,12 @@ class IndexRecorder:
 
 
 def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.Tensor, st: SeqState,
-                  chunk: int = 512, chosen: list | None = None, kernel: bool = False):
+                  chunk: int = 512, chosen: list | None = None, kernel: bool = False, budget: int = 1 << 24):
     """Attention of one sequence's tokens pr[...][a:b] (positions p) over its state, which it advances.
     Queries go in chunks so a long prompt never materializes (tokens x keys) logits at once. -> (1, b - a, H, d).
     chosen: a list to append the indexer's chosen entries of these tokens to (index_record rows; CSA layers).
-    kernel: the attention itself through prefill_attention where Triton runs (model.attend otherwise)."""
+    kernel: the attention and the indexer's scores through their kernels where Triton runs (model.attend and
+    prefill_index_ref otherwise); their chunks hold up to budget (query, entry) scores, at least chunk rows."""
     W = attn.window
     keys = torch.cat([st.window, pr["kv"][a:b]])
     k0 = int(p[-1]) + 1 - keys.shape[0]  # position of keys[0]
@@ -691,21 +693,26 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
         comp = st.comp.entries
         if attn.indexer is not None:
             st.index = compress(model, attn.indexer.compressor, st.index, pr["ikv"][0, a:b], pr["igate"][0, a:b])
+    fast = kernel and use_triton(keys)
+    if fast and comp is not None:
+        chunk = max(chunk, budget // max(1, comp.shape[0]))
     outs = []
     for s in range(0, b - a, chunk):
         e = min(b - a, s + chunk)
         qp, sel = p[s:e], None
         cmask = None
         if comp is not None:
-            cmask = torch.arange(comp.shape[0], device=p.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None]
+            count = (qp + 1) // attn.compressor.ratio
+            cmask = torch.arange(comp.shape[0], device=p.device)[None] < count[:, None]
             if attn.indexer is not None and comp.shape[0]:
-                sc = attn.indexer.scores(pr["iq"][:, a + s:a + e], pr["iw"][:, a + s:a + e], st.index.entries[None])[0]
-                sel, cmask = index_pick(attn, sc, cmask)
+                sel = index_picks(attn, pr, torch.arange(a + s, a + e, device=p.device)[None],
+                                  st.index.entries[None], count, fast)[0]
+                cmask = None if fast else picked(sel, comp.shape[0])
                 if chosen is not None:
                     chosen.append(index_record(sel, attn.indexer.topk))
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
-        if kernel and use_triton(keys):  # keys[r] is position k0 + r; the entries from row 0
+        if fast:  # keys[r] is position k0 + r; the entries from row 0
             z = torch.zeros_like(qp)
             outs.append(prefill_rows(attn, pr["q"][0, a + s:a + e], keys, z - k0, qp, comp, z, sel)[None])
             continue
@@ -718,12 +725,17 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
     return torch.cat(outs, 1)
 
 
-def index_pick(attn, sc, cmask):
-    """The indexer's top-k of its scores sc (..., S) among the entries cmask allows (broadcast to sc): -> (the picks
-    (..., min(top-k, S)), -1 where a pick is not allowed; the mask of the allowed picks, sc's shape)."""
-    top = topk_first(sc.masked_fill(~cmask, float("-inf")), min(attn.indexer.topk, sc.shape[-1]))
-    sel = torch.where(cmask.expand_as(sc).gather(-1, top), top, -1)
-    return sel, torch.zeros_like(sc, dtype=torch.bool).scatter_(-1, top, True) & cmask
+def index_picks(attn, pr: dict, rows, keys, count, kernel: bool):
+    """The indexer's top-k entries (-1: none) for the packed query rows rows (B, T) of pr's iq / iw, among keys
+    (B, S, d), query t seeing count[t] of them: kernels.attention.prefill_index (kernel) or its torch twin."""
+    f = prefill_index if kernel else prefill_index_ref
+    return f(pr["iq"][0], pr["iw"][0], rows, keys, count, min(attn.indexer.topk, keys.shape[1]))
+
+
+def picked(sel, S: int):
+    """Picks sel (..., k) (-1: none) -> (..., S) bool mask of the picked entries (model.attend's comp_allowed)."""
+    mask = torch.zeros(*sel.shape[:-1], S + 1, dtype=torch.bool, device=sel.device)
+    return mask.scatter_(-1, torch.where(sel < 0, S, sel), True)[..., :S]
 
 
 def prefill_rows(attn, q, keys, base, pos, comp, first, sel=None):
@@ -820,10 +832,11 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
                     budget: int = 1 << 25, min_rows: int = 512, kernel: bool = False):
     """seq_attention for a FreshGroup's sequences at once: -> (B, T, H, d), and the entries of the compressor and
     the indexer's (B, T // ratio, ...) or None. dtypes: the entries' (the pools'). Queries go in chunks of at most
-    budget (sequence, head, query, key) logits, but of at least min_rows query rows (B x chunk; seq_attention's
-    chunks are 512), each chunk's rows gathered as it goes. chosen: a list a sequence (the group's order) to append
-    the indexer's chosen entries of its tokens to. kernel: the attention itself through prefill_attention where
-    Triton runs (model.attend otherwise), over the padded rows (a pad repeats its sequence's last query)."""
+    budget (sequence, head, query, key) logits (with the kernels: (sequence, query, entry) scores), but of at least
+    min_rows query rows (B x chunk; seq_attention's chunks are 512), each chunk's rows gathered as it goes. chosen: a
+    list a sequence (the group's order) to append the indexer's chosen entries of its tokens to. kernel: the
+    attention and the indexer's scores through prefill_attention and prefill_index where Triton runs (model.attend
+    and prefill_index_ref otherwise), over the padded rows (a pad repeats its sequence's last query)."""
     W, B, T, H = attn.window, g.rows.shape[0], g.T, pr["q"].shape[2]
     kv = pr["kv"][g.rows]
     comp = index = None
@@ -833,21 +846,23 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
             index = fresh_compress(model, attn.indexer.compressor, pr["ikv"][0][g.rows], pr["igate"][0][g.rows],
                                    dtypes[1])
     S = 0 if comp is None else comp.shape[1]
+    fast = kernel and use_triton(kv)
     chunk = pow2(T)
-    while chunk > pow2(-(-min_rows // B)) and B * H * chunk * (chunk + W - 1 + S) > budget:
+    # (the kernels' chunk holds its (row, entry) scores; model.attend's its (row, head, key) logits)
+    while chunk > pow2(-(-min_rows // B)) and B * chunk * (max(1, S) if fast else H * (chunk + W - 1 + S)) > budget:
         chunk //= 2
     p = torch.arange(T, device=kv.device)
     outs, rec = [], []
-    fast = kernel and use_triton(kv)
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
         qp, sel = p[s:e], None
         cmask = None
         if comp is not None:
-            cmask = (torch.arange(S, device=kv.device)[None] < ((qp + 1) // attn.compressor.ratio)[:, None])[None]
+            count = (qp + 1) // attn.compressor.ratio
+            cmask = (torch.arange(S, device=kv.device)[None] < count[:, None])[None]
             if attn.indexer is not None and S:
-                sc = attn.indexer.scores(pr["iq"][0][g.rows[:, s:e]], pr["iw"][0][g.rows[:, s:e]], index)
-                sel, cmask = index_pick(attn, sc, cmask)
+                sel = index_picks(attn, pr, g.rows[:, s:e], index, count, fast)
+                cmask = None if fast else picked(sel, S)
                 if chosen is not None:
                     rec.append(index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
             elif chosen is not None and attn.indexer is not None:  # no entries yet
@@ -1368,8 +1383,9 @@ class Runner:
         # time (seq_attention), the slow twin
         self.batch_prefill = os.environ.get("ENGINE_BATCH_PREFILL", "1") != "0"
         # prefill's attention itself through kernels.attention.prefill_attention where Triton runs (the decode
-        # kernel over the chunk's keys and entries, each query row its window and picks); ENGINE_PREFILL_KERNEL=0:
-        # model.attend (torch, every entry scored then masked), the slow twin
+        # kernel over the chunk's keys and entries, each query row its window and picks), and the indexer's scores
+        # through prefill_index (summed over heads in-register); ENGINE_PREFILL_KERNEL=0: model.attend (torch,
+        # every entry scored then masked) and prefill_index_ref ((rows, heads, entries) einsums), the slow twins
         self.prefill_kernel = os.environ.get("ENGINE_PREFILL_KERNEL", "1") != "0"
         cfg = model.cfg
         if self.use_graphs and not moe_kernels_take(torch.empty(0, device=cache.device), cfg.hidden_size,

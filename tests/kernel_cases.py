@@ -144,6 +144,32 @@ def index_topk_case(device, B: int, S: int, k: int, seed: int = 0, ties: bool = 
     return ok
 
 
+def prefill_index_case(device, B: int, T: int, S: int, h: int, d: int, k: int, seed: int = 0) -> bool:
+    """kernels.attention.prefill_index against prefill_index_ref: B sequences' T query rows, packed in a buffer of
+    more rows in a shuffled order (the kernel reads them through rows), the head weights a strided column slice
+    scaled in the call, causal counts (t + 1) // 4 capped at S; the last sequence's query rows all zero (every
+    score 0.0: ties, which both must break to the lower entry). -> whether the picks agree: the same -1 places
+    and, where the kernel's sums differ from torch's in the last bits, picks of the same reference scores."""
+    from kernels.attention import prefill_index, prefill_index_ref
+    g = torch.Generator().manual_seed(seed)
+    N = B * T + 5
+    qi = torch.randn(N, h, d, generator=g)
+    rows = torch.randperm(N, generator=g)[:B * T].view(B, T)
+    qi[rows[-1]] = 0.0
+    wide = torch.randn(N, 3 * h, generator=g)
+    keys = torch.randn(B, S, d, generator=g)
+    count = ((torch.arange(T) + 1) // 4).clamp(max=S)
+    args = [t.to(device) for t in (qi, wide[:, h:2 * h], rows, keys, count)]
+    got = prefill_index(*args, k, h ** -0.5).cpu()
+    want = prefill_index_ref(*args, k, h ** -0.5).cpu()
+    if got.shape != want.shape or not torch.equal(got < 0, want < 0):
+        return False
+    sc = torch.einsum("bthd,bsd->bths", qi[rows], keys).relu() * d ** -0.5
+    sc = torch.einsum("bths,bth->bts", sc, wide[:, h:2 * h][rows] * h ** -0.5)
+    a, b = (sc.gather(-1, x.clamp(min=0)).masked_fill(x < 0, 0.0) for x in (got, want))
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6)) and torch.equal(got[-1], want[-1])
+
+
 def grad_case(fast, twin, inputs, seed: int = 0) -> float:
     """A differentiable kernel against its torch twin: outputs and the gradients of every input under the same
     random upstream gradient. -> the largest difference relative to the twin's largest magnitude, over all of

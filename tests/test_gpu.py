@@ -319,6 +319,14 @@ def test_index_scores():
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and rel(a[fin], b[fin]) < 1e-5
 
 
+def test_prefill_index():
+    """prefill_index (scores in one kernel, one torch topk) against prefill_index_ref at mini's indexer shapes (32
+    heads of 128, top 512): a chunk of 2 sequences with entries past the top-k, and one long row block."""
+    from tests.kernel_cases import prefill_index_case
+    assert prefill_index_case("cuda", 2, 600, 160, 32, 128, 64)
+    assert prefill_index_case("cuda", 1, 2500, 625, 32, 128, 512, seed=1)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_fused_hc_and_norms(n, monkeypatch):
     from kernels import fp8_gemm, fused

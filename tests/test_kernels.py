@@ -68,6 +68,31 @@ def test_prefill_attention_reference_matches_attend():
             assert torch.allclose(out[n], ref[0, 0], atol=1e-5), (kw.keys(), n)
 
 
+def test_prefill_index_reference_matches_the_decode_references():
+    """prefill_index_ref's picks (prefill's indexer; the engine's path on the CPU and its slow twin on GPUs) are the
+    decode path's for each query row: index_scores_ref over the row's entries in a paged pool, index_topk_ref at the
+    row's count (-1 past it, all -1 before the first entry)."""
+    from kernels.attention import index_scores_ref, index_topk_ref, prefill_index, prefill_index_ref
+    from tests.kernel_cases import prefill_index_case
+    g = torch.Generator().manual_seed(0)
+    B, T, S, h, d, k, BE = 2, 30, 7, 4, 16, 4, 4
+    qi, wi = torch.randn(B * T, h, d, generator=g), torch.randn(B * T, h, generator=g)
+    rows = torch.arange(B * T).view(B, T).flip(1)
+    keys = torch.randn(B, S, d, generator=g)
+    count = ((torch.arange(T) + 1) // 4).clamp(max=S)
+    got = prefill_index_ref(qi, wi, rows, keys, count, k, 0.5)
+    assert torch.equal(got, prefill_index(qi, wi, rows, keys, count, k, 0.5))  # (the CPU's path)
+    nb = -(-S // BE)
+    pool = torch.zeros(1 + B * nb, BE, d)
+    pool[1:].view(B, nb * BE, d)[:, :S] = keys
+    table = 1 + torch.arange(B * nb).view(B, nb)
+    for b in range(B):
+        sc = index_scores_ref(qi[rows[b]], wi[rows[b]], pool, table[b].expand(T, -1), count, S, 0.5)
+        assert torch.equal(got[b], index_topk_ref(sc, k, count)), b
+    assert bool((got[:, :3] == -1).all()) and bool((got[:, -1] >= 0).all())
+    assert prefill_index_case("cpu", 2, 40, 12, 4, 16, 5)
+
+
 def test_gemm_tiles_by_weight_size():
     """The FP8 linears' tiles at decode sizes: mini's linears (at most 4 MiB of FP8 weights) keep the tiles fitted on
     them; the release's take _big_tiles (the sweeps in _gemm_blocks' and _fused_blocks' notes): fp8_gemm 64-wide
@@ -325,6 +350,15 @@ INTERPRETED = textwrap.dedent("""
             a = prefill_attention(pq, pkeys, pbase, ppos, psink, 0.3, 8, splits=splits, merge=merge, **kw)
             assert (a - want).abs().max() < 1e-5, (kw.keys(), splits, merge)
     assert tickets_left(x.device) == 0
+    # prefill's indexer: tiles partly past T and S, blocks past every row's count; 16-row tiles: several
+    from kernels import attention
+    from tests.kernel_cases import prefill_index_case
+    assert prefill_index_case("cpu", 2, 40, 12, 4, 16, 5) and prefill_index_case("cpu", 3, 70, 20, 4, 32, 8, seed=1)
+    tiles, attention.PREFILL_INDEX_TILES = attention.PREFILL_INDEX_TILES, (16, 16, 2)
+    try:
+        assert prefill_index_case("cpu", 2, 70, 40, 3, 16, 8, seed=2)
+    finally:
+        attention.PREFILL_INDEX_TILES = tiles
     qi, wi = torch.randn(B, 8, d, generator=g), torch.randn(B, 8, generator=g)
     a, b = index_scores(qi, wi, pool, table, count, 24), index_scores_ref(qi, wi, pool, table, count, 24)
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and (a[~torch.isinf(b)] - b[~torch.isinf(b)]).abs().max() < 1e-5
