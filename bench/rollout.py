@@ -82,10 +82,11 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
     cfg = engine.cfg
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
-    # captures this batch's CUDA graph, the one for steps past the indexer's top-k of entries where the run's are
-    # (Runner.every_upto: the timed run would otherwise capture it, ~1.5 s, inside its decode time)
-    past = prompt_len > engine.runner.every_upto >= 0
-    warm = torch.randint(0, cfg.vocab_size, (B, engine.runner.every_upto + 1 if past else 8), generator=g).tolist()
+    # B other prompts of the same length first: this batch's CUDA graph is captured (the one for steps past the
+    # indexer's top-k of entries where the run's are, Runner.every_upto: ~1.5 s) and prefill's Triton kernels are
+    # compiled for the run's chunk shapes (integer arguments specialize by divisibility: a 16k prompt's chunks took
+    # ~3-6 s of compiling inside a timed prefill of ~3.4 s where the warm-up's prompts were shorter)
+    warm = torch.randint(0, cfg.vocab_size, (B, prompt_len), generator=g).tolist()
     engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
     for k in engine.stats:
         engine.stats[k] = 0 * engine.stats[k]
@@ -106,6 +107,7 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
             B * cache_bytes(cfg, prompt_len + t, esize, every)
     return {"batch": B, "prompt_len": prompt_len, "gen_len": gen_len, "total_s": total,
             "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "decode_steps": st["decode_steps"],
+            "preemptions": st["preemptions"],
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_s"],
             "generated_tokens_per_s": B * gen_len / total, "step_ms": 1e3 * st["decode_s"] / max(st["decode_steps"], 1),
             "decode_gb_s": step_bytes / st["decode_s"] / 1e9, "bytes_per_step_mb": step_bytes / max(gen_len - 1, 1) / 1e6}
@@ -342,7 +344,7 @@ def main(argv=None):
             r = run(eng, args.long_batch, c, args.long_gen)
             res["long"].append(r)
             print(f"long context {c}: batch {args.long_batch} {r['decode_tokens_per_s']:.0f} decode tok/s "
-                  f"(prefill {r['prefill_s']:.1f} s)", flush=True)
+                  f"(prefill {r['prefill_s']:.2f} s, {r['preemptions']} preemptions)", flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
