@@ -703,15 +703,15 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
         cmask = None
         if comp is not None:
             count = (qp + 1) // attn.compressor.ratio
-            cmask = torch.arange(comp.shape[0], device=p.device)[None] < count[:, None]
             if attn.indexer is not None and comp.shape[0]:
                 sel = index_picks(attn, pr, torch.arange(a + s, a + e, device=p.device)[None],
                                   st.index.entries[None], count, fast)[0]
-                cmask = None if fast else picked(sel, comp.shape[0])
                 if chosen is not None:
                     chosen.append(index_record(sel, attn.indexer.topk))
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
+            if not fast:
+                cmask = entry_mask(sel, count, comp.shape[0])
         if fast:  # keys[r] is position k0 + r; the entries from row 0
             z = torch.zeros_like(qp)
             outs.append(prefill_rows(attn, pr["q"][0, a + s:a + e], keys, z - k0, qp, comp, z, sel)[None])
@@ -732,8 +732,11 @@ def index_picks(attn, pr: dict, rows, keys, count, kernel: bool):
     return f(pr["iq"][0], pr["iw"][0], rows, keys, count, min(attn.indexer.topk, keys.shape[1]))
 
 
-def picked(sel, S: int):
-    """Picks sel (..., k) (-1: none) -> (..., S) bool mask of the picked entries (model.attend's comp_allowed)."""
+def entry_mask(sel, count, S: int):
+    """model.attend's comp_allowed over S entries: the picks sel (..., k) (-1: none) where the indexer picked (CSA),
+    else each query t's first count[t] (HCA) -> (..., S) / (T, S) bool."""
+    if sel is None:
+        return torch.arange(S, device=count.device)[None] < count[:, None]
     mask = torch.zeros(*sel.shape[:-1], S + 1, dtype=torch.bool, device=sel.device)
     return mask.scatter_(-1, torch.where(sel < 0, S, sel), True)[..., :S]
 
@@ -859,14 +862,14 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
         cmask = None
         if comp is not None:
             count = (qp + 1) // attn.compressor.ratio
-            cmask = (torch.arange(S, device=kv.device)[None] < count[:, None])[None]
             if attn.indexer is not None and S:
                 sel = index_picks(attn, pr, g.rows[:, s:e], index, count, fast)
-                cmask = None if fast else picked(sel, S)
                 if chosen is not None:
                     rec.append(index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
             elif chosen is not None and attn.indexer is not None:  # no entries yet
                 rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
+            if not fast:
+                cmask = entry_mask(sel, count, S).expand(B, -1, -1)
         q = pr["q"][0][g.rows[:, s:e]]
         if fast:  # row (b, t): its keys from kv's row b * T on, its entries from comp's row b * S on
             who = torch.arange(B, device=kv.device).repeat_interleave(e - s)

@@ -645,7 +645,7 @@ def prefill_index(qi, wi, rows, keys, count, k: int, w_scale: float = 1.0):
     """prefill_index_ref on GPUs: the scores in one kernel (_prefill_index_kernel), then one torch topk. qi and wi
     in any float dtype (read as fp32, the head products in fp8_gemm.F32_DOT's passes as index_scores'); wi's rows
     may be strided."""
-    N, nh, d = qi.shape
+    nh, d = qi.shape[1:]
     if not use_triton(qi) or d < 16 or d & (d - 1):
         return prefill_index_ref(qi, wi, rows, keys, count, k, w_scale)
     (B, T), S = rows.shape, keys.shape[1]
