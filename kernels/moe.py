@@ -655,6 +655,21 @@ def moe_down_early(T: int, scaled: bool) -> bool:
     return scaled and T <= 64
 
 
+def moe_up_regs(x: torch.Tensor, block_m: int, warps: int, swap: bool, scaled: bool) -> dict:
+    """The up kernel's launch option capping its registers a thread, where ptxas's own count costs a program an SM:
+    the FP8 32-row weights-first blocks on 8 warps (moe_block_m's 65-128 tokens) take 144, one 256-thread program
+    an SM by registers; held to 128 (8 bytes spilled), two (shared memory allows two at 3 stages). fused_moe a call
+    on an H200 (mini's experts from HBM, the same bits, three timings), us: 96 tokens 84.7 -> 80.0-80.3, 128
+    85.1-85.5 -> 82.0-82.1. Not elsewhere: held to 128, the 64-row x-first blocks past 128 tokens (226 registers)
+    spill 176 bytes (256 tokens 98.6 -> 174.8), and the down kernel is slower (128 tokens 85.3 -> 86.9); the 32-row
+    blocks on 4 warps (236) held to 168 spill 104 bytes (64 tokens 86.8 -> 94.5). ptxas's counts: each variant
+    compiled on the CPU for sm90 (`triton.compile` with the pointers' 16-byte divisibility; `cuobjdump
+    --dump-resource-usage`). CUDA only: ROCm's Triton takes no maxnreg."""
+    if scaled and swap and block_m == 32 and warps == 8 and x.is_cuda and torch.version.hip is None:
+        return {"maxnreg": 128}
+    return {}
+
+
 def moe_kernels_take(x: torch.Tensor, D: int, I: int) -> bool:
     """Whether fused_moe runs its kernels on x's device for hidden size D and expert width I (128-multiples: the
     FP8 block tiles), not fused_moe_ref, whose loop over the experts hit reads them on the host (no CUDA graph
@@ -722,7 +737,7 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
         xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, SWAP=swap, num_warps=nw, num_stages=ns, READY=cnt,
-        OVERLAP=overlap, **pdl(x))
+        OVERLAP=overlap, **pdl(x), **moe_up_regs(x, bm, nw, swap, scaled))
     if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:

@@ -9,7 +9,7 @@ from kernels.attention import (decode_attention, decode_attention_ref, index_sco
                                unrope_ref)
 from kernels.fp8_gemm import act_quant, act_quant_ref, block_quant, fp8_gemm, fp8_gemm_ref, tickets, tickets_left  # noqa: E402
 from kernels.moe import (MOE_GEMV_TOKENS, _moe_gemv, _moe_tiles, fused_moe, fused_moe_ref, moe_block_m,  # noqa: E402
-                         moe_gemv_early, moe_swap)
+                         moe_gemv_early, moe_swap, moe_up_regs)
 from kernels.quant import fp8_dtype, quant_fp8_block  # noqa: E402
 
 
@@ -189,6 +189,9 @@ def test_fused_moe(T, fp8, n_shared, absent):
         args = tuple(t.to(torch.bfloat16) for t in w)
     got, want = fused_moe(x, ids, wt, *args, n_shared=n_shared), fused_moe_ref(x, ids, wt, *args, n_shared=n_shared)
     assert rel(got, want) < 1e-2
+    # FP8 at 65-128 tokens the up kernel runs held to 128 registers (moe_up_regs): checked here, at 128
+    capped = moe_up_regs(x, moe_block_m(T, fp8), _moe_tiles(T, fp8)[0][1], moe_swap(T, fp8), fp8)
+    assert capped == ({"maxnreg": 128} if fp8 and 64 < T <= 128 else {}), capped
     # the down programs waiting each for its row block's up tiles (moe_overlap), or for the whole up launch: the
     # same bits, every count put back; repeated, so a count left behind would show
     for _ in range(3):
