@@ -659,8 +659,8 @@ def moe_up_regs(x: torch.Tensor, block_m: int, warps: int, swap: bool, scaled: b
     """The up kernel's launch option capping its registers a thread, where ptxas's own count costs a program an SM:
     the FP8 32-row weights-first blocks on 8 warps (moe_block_m's 65-128 tokens) take 144, one 256-thread program
     an SM by registers; held to 128 (8 bytes spilled), two (shared memory allows two at 3 stages). fused_moe a call
-    on an H200 (mini's experts from HBM, the same bits, three timings), us: 96 tokens 84.7 -> 80.0-80.3, 128
-    85.1-85.5 -> 82.0-82.1. Not elsewhere: held to 128, the 64-row x-first blocks past 128 tokens (226 registers)
+    on an H200 (mini's experts from HBM, the same bits, three timings), us: 96 tokens 83.4-84.7 -> 80.0-80.3,
+    128 85.1-85.9 -> 81.5-82.1. Not elsewhere: held to 128, the 64-row x-first blocks past 128 tokens (226 registers)
     spill 176 bytes (256 tokens 98.6 -> 174.8), and the down kernel is slower (128 tokens 85.3 -> 86.9); the 32-row
     blocks on 4 warps (236) held to 168 spill 104 bytes (64 tokens 86.8 -> 94.5). ptxas's counts: each variant
     compiled on the CPU for sm90 (`triton.compile` with the pointers' 16-byte divisibility; `cuobjdump
