@@ -699,19 +699,14 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
     outs = []
     for s in range(0, b - a, chunk):
         e = min(b - a, s + chunk)
-        qp, sel = p[s:e], None
-        cmask = None
+        qp, sel, cmask = p[s:e], None, None
         if comp is not None:
-            count = (qp + 1) // attn.compressor.ratio
-            if attn.indexer is not None and comp.shape[0]:
-                sel = index_picks(attn, pr, torch.arange(a + s, a + e, device=p.device)[None],
-                                  st.index.entries[None], count, fast)[0]
-                if chosen is not None:
-                    chosen.append(index_record(sel, attn.indexer.topk))
-            elif chosen is not None and attn.indexer is not None:  # no entries yet
-                chosen.append(torch.full((e - s, attn.indexer.topk), -1, dtype=torch.int32, device=p.device))
-            if not fast:
-                cmask = entry_mask(sel, count, comp.shape[0])
+            sel, rec, cmask = chunk_picks(attn, pr, torch.arange(a + s, a + e, device=p.device)[None],
+                                          None if st.index is None else st.index.entries[None], comp.shape[0], qp,
+                                          fast, chosen is not None)
+            sel = None if sel is None else sel[0]
+            if rec is not None:
+                chosen.append(rec[0])
         if fast:  # keys[r] is position k0 + r; the entries from row 0
             z = torch.zeros_like(qp)
             outs.append(prefill_rows(attn, pr["q"][0, a + s:a + e], keys, z - k0, qp, comp, z, sel)[None])
@@ -720,8 +715,7 @@ def seq_attention(model: Transformer, attn, pr: dict, a: int, b: int, p: torch.T
         kp = torch.arange(k0 + lo, k0 + e + keys.shape[0] - (b - a), device=p.device)
         allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - W)
         outs.append(attend(pr["q"][:, a + s:a + e], keys[None, lo:lo + kp.shape[0]], allowed[None],
-                           None if comp is None else comp[None], None if cmask is None else cmask[None],
-                           attn.attn_sink, attn.scale))
+                           None if comp is None else comp[None], cmask, attn.attn_sink, attn.scale))
     return torch.cat(outs, 1)
 
 
@@ -739,6 +733,25 @@ def entry_mask(sel, count, S: int):
         return torch.arange(S, device=count.device)[None] < count[:, None]
     mask = torch.zeros(*sel.shape[:-1], S + 1, dtype=torch.bool, device=sel.device)
     return mask.scatter_(-1, torch.where(sel < 0, S, sel), True)[..., :S]
+
+
+def chunk_picks(attn, pr: dict, rows, keys, S: int, qp, kernel: bool, record: bool):
+    """A prefill chunk's compressed entries, for B sequences' packed query rows rows (B, n) at positions qp (n,)
+    over S entries each (keys (B, S, d): the indexer's, CSA): -> (sel (B, n, k) the indexer's picks or None (HCA,
+    or no entries yet); rec (B, n, topk) their index_record rows or None (not record, or no indexer); cmask
+    model.attend's comp_allowed, (B, n, S), or None where the kernels run (kernel: index_picks' too))."""
+    count = (qp + 1) // attn.compressor.ratio
+    sel = rec = cmask = None
+    B, n = rows.shape
+    if attn.indexer is not None and S:
+        sel = index_picks(attn, pr, rows, keys, count, kernel)
+        if record:
+            rec = index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, n, -1)
+    elif record and attn.indexer is not None:  # no entries yet
+        rec = torch.full((B, n, attn.indexer.topk), -1, dtype=torch.int32, device=qp.device)
+    if not kernel:
+        cmask = entry_mask(sel, count, S).expand(B, n, S)
+    return sel, rec, cmask
 
 
 def prefill_rows(attn, q, keys, base, pos, comp, first, sel=None):
@@ -858,18 +871,11 @@ def fresh_attention(model: Transformer, attn, pr: dict, g: FreshGroup, dtypes, c
     outs, rec = [], []
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        qp, sel = p[s:e], None
-        cmask = None
+        qp, sel, cmask = p[s:e], None, None
         if comp is not None:
-            count = (qp + 1) // attn.compressor.ratio
-            if attn.indexer is not None and S:
-                sel = index_picks(attn, pr, g.rows[:, s:e], index, count, fast)
-                if chosen is not None:
-                    rec.append(index_record(sel.flatten(0, 1), attn.indexer.topk).view(B, e - s, -1))
-            elif chosen is not None and attn.indexer is not None:  # no entries yet
-                rec.append(torch.full((B, e - s, attn.indexer.topk), -1, dtype=torch.int32, device=kv.device))
-            if not fast:
-                cmask = entry_mask(sel, count, S).expand(B, -1, -1)
+            sel, picked, cmask = chunk_picks(attn, pr, g.rows[:, s:e], index, S, qp, fast, chosen is not None)
+            if picked is not None:
+                rec.append(picked)
         q = pr["q"][0][g.rows[:, s:e]]
         if fast:  # row (b, t): its keys from kv's row b * T on, its entries from comp's row b * S on
             who = torch.arange(B, device=kv.device).repeat_interleave(e - s)
