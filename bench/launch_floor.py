@@ -3,10 +3,13 @@ N tiny Triton kernels, each reading what the one before it wrote, with and witho
 (PDL, as the engine's kernels launch), at a few grid sizes; against it, one persistent kernel whose programs meet
 at a grid barrier instead of a kernel boundary. With --weights-mb each link (kernel or phase) also streams its
 share of that many MB of weights, as a decode step's GEMVs do: a kernel loads its slab before its PDL wait, the
-persistent kernel the next phases' slabs before each barrier (--ahead).
+persistent kernel the next phases' slabs before each barrier (--ahead). --async-ahead: the same persistent kernel
+written in Gluon (Triton's lower-level dialect, NVIDIA sm80+), its slabs copied into shared memory by asynchronous
+copies (cp.async) issued that many phases early, so they stay in flight while the program waits at the barriers,
+which loads into registers do not.
 
     python bench/launch_floor.py [--kernels 320] [--grids 1,132,1056] [--persistent 132,264] [--weights-mb 1360]
-                                 [--ahead 1,2]
+                                 [--ahead 1,2] [--async-ahead 2,3,4]
 
 The engine's decode step is one such chain (plus a side stream): `bench/rollout.py --profile 1:fp8` prints its
 kernels a step. Kernels a step times this floor is the part of the step that no kernel's own work can remove;
@@ -26,6 +29,13 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fp8_linear import graph_us  # noqa: E402
 from kernels.fp8_gemm import pdl, pdl_wait  # noqa: E402
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # a Triton without Gluon: --async-ahead is then refused
+    gluon = None
 
 BLOCK = 128  # fp32 values a program moves
 
@@ -85,6 +95,47 @@ def _phases(X, CNT, W, phases, zero, BLOCK: tl.constexpr, SLAB: tl.constexpr, AH
             got = tl.atomic_add(CNT, 0, sem="acquire")
 
 
+if gluon is not None:
+    @gluon.jit
+    def _copy_slab(bufs, W, link, pid, G, offs, SLAB: gl.constexpr, STAGES: gl.constexpr):
+        """Start the asynchronous copy of a program's slab of `link` into shared buffer link % STAGES, as one
+        commit group."""
+        async_copy.async_copy_global_to_shared(bufs.index(link % STAGES),
+                                               W + (link * G + pid).to(gl.int64) * SLAB + offs)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _phases_async(X, CNT, W, phases, zero, BLOCK: gl.constexpr, SLAB: gl.constexpr, STAGES: gl.constexpr):
+        """_phases with each program's slabs in STAGES shared-memory buffers filled by cp.async, STAGES phases
+        before they are summed: a phase waits for its own copy group only (the later ones stay in flight through
+        the barrier), sums the slab, and starts the copy of phase p + STAGES into the buffer it has just read."""
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        NW: gl.constexpr = gl.num_warps()
+        lay: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])  # 16 bytes a thread a copy
+        xl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, SLAB], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        offs = gl.arange(0, SLAB, layout=lay)
+        i = gl.arange(0, BLOCK, layout=xl)
+        for s in gl.static_range(STAGES):
+            _copy_slab(bufs, W, s, pid, G, offs, SLAB, STAGES)
+        for p in range(phases):
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of phase p have landed
+            gl.thread_barrier()  # ... and every other thread's
+            w = gl.sum(bufs.index(p % STAGES).load(lay).to(gl.float32), 0)
+            gl.thread_barrier()  # every thread has read the buffer before it is refilled
+            _copy_slab(bufs, W, p + STAGES, pid, G, offs, SLAB, STAGES)
+            src = X + (p % 2) * G * BLOCK + ((pid + 1) % G) * BLOCK
+            dst = X + ((p + 1) % 2) * G * BLOCK + pid * BLOCK
+            gl.store(dst + i, gl.load(src + i) + 1.0 + w * zero)
+            gl.thread_barrier()  # the program's stores issued before its arrival
+            gl.atomic_add(CNT, 1, sem="release")
+            got = gl.atomic_add(CNT, 0, sem="acquire")
+            while got < G * (p + 1):
+                got = gl.atomic_add(CNT, 0, sem="acquire")
+        async_copy.wait_group(0)
+
+
 def _warps(slab: int) -> int:
     return 8 if slab >= 16384 else 4
 
@@ -113,17 +164,21 @@ def chain_us(grid: int, kernels: int, use_pdl: bool, slab: int, iters: int = 20)
     return graph_us([run], iters) / kernels
 
 
-def persistent_us(grid: int, phases: int, slab: int, ahead: int = 1, iters: int = 20) -> float:
+def persistent_us(grid: int, phases: int, slab: int, ahead: int = 1, iters: int = 20, copies: bool = False) -> float:
     """Microseconds a phase of one _phases kernel (`grid` programs, `phases` grid barriers, `slab` weight bytes a
-    program a phase, loaded `ahead` phases early) under a CUDA graph, the counter zeroed before each launch; first
-    checks, eagerly, that every phase saw the one before."""
+    program a phase, loaded `ahead` phases early; copies: _phases_async, the slabs copied into shared memory) under
+    a CUDA graph, the counter zeroed before each launch; first checks, eagerly, that every phase saw the one
+    before."""
     x = torch.zeros(2 * grid * BLOCK, device="cuda")
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     w = _weights(grid, phases + ahead, slab)
 
     def run():
         cnt.zero_()
-        _phases[(grid,)](x, cnt, w, phases, 0.0, BLOCK=BLOCK, SLAB=slab, AHEAD=ahead, num_warps=_warps(slab))
+        if copies:
+            _phases_async[(grid,)](x, cnt, w, phases, 0.0, BLOCK=BLOCK, SLAB=slab, STAGES=ahead, num_warps=8)
+        else:
+            _phases[(grid,)](x, cnt, w, phases, 0.0, BLOCK=BLOCK, SLAB=slab, AHEAD=ahead, num_warps=_warps(slab))
     run()
     got = x[(phases % 2) * grid * BLOCK:][:grid * BLOCK]
     if not bool((got == phases).all()):
@@ -141,6 +196,9 @@ def main(argv=None):
                     "batch-1 FP8 step: ~1,360), shared evenly by its links and programs, a power of two each")
     ap.add_argument("--ahead", default="1,2", help="the persistent kernel's weight slabs loaded this many phases "
                     "before they are used (1-3), comma-separated")
+    ap.add_argument("--async-ahead", default="", help="also the Gluon persistent kernel, its slabs copied into "
+                    "shared memory this many phases early (1-8; at most 192 KB of buffers a program), "
+                    "comma-separated (NVIDIA sm80+)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/launch_floor.py needs a GPU")
@@ -148,13 +206,18 @@ def main(argv=None):
         grids = [int(g) for g in args.grids.split(",") if g]
         pgrids = [int(g) for g in args.persistent.split(",") if g]
         aheads = [int(a) for a in args.ahead.split(",") if a]
+        copy_aheads = [int(a) for a in args.async_ahead.split(",") if a]
     except ValueError as e:
-        ap.error(f"--grids / --persistent / --ahead: comma-separated integers ({e})")
+        ap.error(f"--grids / --persistent / --ahead / --async-ahead: comma-separated integers ({e})")
     if pgrids and (not aheads or not set(aheads) <= {1, 2, 3}):
         ap.error("--ahead: 1, 2 or 3 phases, comma-separated")
+    if copy_aheads and not set(copy_aheads) <= set(range(1, 9)):
+        ap.error("--async-ahead: 1 to 8 phases, comma-separated")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.kernels < 1 or not grids + pgrids or min(grids + pgrids) < 1 or args.weights_mb < 0:
         ap.error("--kernels and every --grids / --persistent entry must be >= 1, --weights-mb >= 0")
+    if copy_aheads and (gluon is None or torch.version.hip or torch.cuda.get_device_capability()[0] < 8):
+        ap.error("--async-ahead: needs Triton's Gluon and an NVIDIA GPU of compute capability 8.0 or later")
     if pgrids and max(pgrids) > 2 * sms:
         ap.error(f"--persistent: at most {2 * sms} programs (2 a SM), or they may not all be resident")
     has_pdl = pdl(torch.empty(1, device="cuda"))["PDL"]
@@ -187,6 +250,11 @@ def main(argv=None):
         slab = slab_of(grid)
         cells = [cell(f"{a} ahead", persistent_us(grid, args.kernels, slab, a), grid, slab) if slab * a <= 65536
                  else f"{a} ahead skipped ({a} x {slab} B in flight)" for a in aheads]
+        # (one program an SM: two may not both get their shared memory, and the barrier would then never open)
+        cells += [cell(f"{a} copies ahead", persistent_us(grid, args.kernels, slab, a, copies=True), grid, slab)
+                  if grid <= sms and slab * a <= 196608
+                  else f"{a} copies ahead skipped ({grid} programs, {a} x {slab} B of shared memory)"
+                  for a in copy_aheads]
         print(f"persistent {grid:5d} programs, {slab} B a program: us a phase  " + "  ".join(cells), flush=True)
 
 
