@@ -74,7 +74,7 @@ from tqdm import tqdm
 
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml, resolve_config
-from model.model import Transformer, compile_fusions
+from model.model import DTYPES, Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, reshard, sharded_actor)
 from model.weights import load_state, release_tensors, save_tensors
@@ -269,7 +269,6 @@ class CkptConfig:
         _need(self, "keep", self.keep >= 0, ">= 0 (0 = keep all)")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SECTIONS = {"deploy": DeployConfig, "task": TaskConfig, "train": TrainConfig, "rollout": RolloutConfig,
             "eval": EvalConfig, "ckpt": CkptConfig}
 

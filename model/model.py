@@ -39,6 +39,9 @@ from kernels.fused import fused_ok
 
 from .config import CSA, HCA, SLIDING, ModelConfig
 
+# the compute dtypes a config or command line names (train.dtype, rollout.dtype, model.score --dtype)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 # ---------------------------------------------------------------------------------------------------------
 # small pieces
 

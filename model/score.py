@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError, ModelConfig, load_yaml
-from .model import build_model
+from .model import DTYPES, build_model
 from .weights import load_pretrained, save_pretrained
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def read_sequences(path: Path, vocab: int) -> list[list[int]]:
