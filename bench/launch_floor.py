@@ -59,6 +59,27 @@ def _link(X, Y, W, n, zero, BLOCK: tl.constexpr, SLAB: tl.constexpr, PDL: tl.con
     tl.store(Y + i, tl.load(X + i, mask=m) + 1.0 + w * zero, mask=m)
 
 
+# polls a grid barrier waits at most: past them (seconds) a program gives up, sets CNT[1] (the host's check then
+# names the grid as not all resident at once) and waits at no later barrier, so the run ends instead of hanging
+SPIN = tl.constexpr(1 << 21)
+
+
+@triton.jit
+def _arrive_wait(CNT, target, stuck):
+    """A grid barrier: arrive (release add on CNT[0]), then poll (acquire) until CNT[0] reaches target, at most SPIN
+    times; returns stuck, 1 once a wait gave up (CNT[1] set to 1), and a stuck program no longer waits."""
+    tl.atomic_add(CNT, 1, sem="release")
+    got = tl.atomic_add(CNT, 0, sem="acquire")
+    tries = 0
+    while (got < target) & (tries < SPIN) & (stuck == 0):
+        got = tl.atomic_add(CNT, 0, sem="acquire")
+        tries += 1
+    if got < target:
+        tl.store(CNT + 1, 1)
+        stuck = 1
+    return stuck
+
+
 @triton.jit
 def _phases(X, CNT, W, phases, zero, BLOCK: tl.constexpr, SLAB: tl.constexpr, AHEAD: tl.constexpr):
     """One persistent kernel of G programs, `phases` steps: in step p each program adds 1 to what the next program
@@ -69,6 +90,7 @@ def _phases(X, CNT, W, phases, zero, BLOCK: tl.constexpr, SLAB: tl.constexpr, AH
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
+    stuck = 0
     r0 = _slab(W, 0, pid, G, SLAB)
     if AHEAD >= 2:
         r1 = _slab(W, 1, pid, G, SLAB)
@@ -89,10 +111,7 @@ def _phases(X, CNT, W, phases, zero, BLOCK: tl.constexpr, SLAB: tl.constexpr, AH
             r1 = r2
             r2 = _slab(W, p + 3, pid, G, SLAB)
         tl.debug_barrier()  # the program's stores issued before its arrival
-        tl.atomic_add(CNT, 1, sem="release")
-        got = tl.atomic_add(CNT, 0, sem="acquire")
-        while got < G * (p + 1):
-            got = tl.atomic_add(CNT, 0, sem="acquire")
+        stuck = _arrive_wait(CNT, G * (p + 1), stuck)
 
 
 if gluon is not None:
@@ -117,6 +136,7 @@ if gluon is not None:
         bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, SLAB], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         offs = gl.arange(0, SLAB, layout=lay)
         i = gl.arange(0, BLOCK, layout=xl)
+        stuck = 0
         for s in gl.static_range(STAGES):
             _copy_slab(bufs, W, s, pid, G, offs, SLAB, STAGES)
         for p in range(phases):
@@ -129,10 +149,15 @@ if gluon is not None:
             dst = X + ((p + 1) % 2) * G * BLOCK + pid * BLOCK
             gl.store(dst + i, gl.load(src + i) + 1.0 + w * zero)
             gl.thread_barrier()  # the program's stores issued before its arrival
-            gl.atomic_add(CNT, 1, sem="release")
+            gl.atomic_add(CNT, 1, sem="release")  # the grid barrier, as _arrive_wait
             got = gl.atomic_add(CNT, 0, sem="acquire")
-            while got < G * (p + 1):
+            tries = 0
+            while (got < G * (p + 1)) & (tries < SPIN) & (stuck == 0):
                 got = gl.atomic_add(CNT, 0, sem="acquire")
+                tries += 1
+            if got < G * (p + 1):
+                gl.store(CNT + 1, 1)
+                stuck = 1
         async_copy.wait_group(0)
 
 
@@ -170,7 +195,7 @@ def persistent_us(grid: int, phases: int, slab: int, ahead: int = 1, iters: int 
     a CUDA graph, the counter zeroed before each launch; first checks, eagerly, that every phase saw the one
     before."""
     x = torch.zeros(2 * grid * BLOCK, device="cuda")
-    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(2, dtype=torch.int32, device="cuda")  # the barrier's count, the gave-up flag
     w = _weights(grid, phases + ahead, slab)
 
     def run():
@@ -180,6 +205,9 @@ def persistent_us(grid: int, phases: int, slab: int, ahead: int = 1, iters: int 
         else:
             _phases[(grid,)](x, cnt, w, phases, 0.0, BLOCK=BLOCK, SLAB=slab, AHEAD=ahead, num_warps=_warps(slab))
     run()
+    if cnt[1].item():
+        raise RuntimeError(f"grid {grid}: a grid barrier did not open within {SPIN.value:,} polls: not all {grid} programs "
+                           "were resident at once")
     got = x[(phases % 2) * grid * BLOCK:][:grid * BLOCK]
     if not bool((got == phases).all()):
         raise RuntimeError(f"grid {grid}: {phases} barrier phases gave {got.min().item()}..{got.max().item()}")
