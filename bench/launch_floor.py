@@ -149,15 +149,7 @@ if gluon is not None:
             dst = X + ((p + 1) % 2) * G * BLOCK + pid * BLOCK
             gl.store(dst + i, gl.load(src + i) + 1.0 + w * zero)
             gl.thread_barrier()  # the program's stores issued before its arrival
-            gl.atomic_add(CNT, 1, sem="release")  # the grid barrier, as _arrive_wait
-            got = gl.atomic_add(CNT, 0, sem="acquire")
-            tries = 0
-            while (got < G * (p + 1)) & (tries < SPIN) & (stuck == 0):
-                got = gl.atomic_add(CNT, 0, sem="acquire")
-                tries += 1
-            if got < G * (p + 1):
-                gl.store(CNT + 1, 1)
-                stuck = 1
+            stuck = _arrive_wait(CNT, G * (p + 1), stuck)
         async_copy.wait_group(0)
 
 
