@@ -1409,6 +1409,11 @@ class Runner:
         self.side = torch.cuda.Stream(cache.device) if (cache.device.type == "cuda" and
                                                         os.environ.get("ENGINE_SIDE_STREAM", "1") != "0") else None
         self.pool = None
+        # its graphs are captured on a stream of their own: kernels.fp8_gemm.tickets keys its counters by the
+        # capturing stream, and torch.cuda.graph's default capture stream is one for the whole process, so two
+        # Runners' graphs replayed at once on two streams (two engines in one process) would share counters and
+        # one's spin waits could miss their counts (a scratch run of two such graphs hung)
+        self.capture_stream = torch.cuda.Stream(cache.device) if self.use_graphs else None
         self.staging, self.pinned = {}, {}
         self.parity = 0  # host buffers alternate between steps, so one step can be staged while one is in flight
         # the tokens each decode step samples, by row: the next step can take its inputs from them on the device
@@ -1688,7 +1693,7 @@ class Runner:
             to_host(torch.zeros_like(self.ctr), [warm[k] for k in names], [host[k] for k in names])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             out = self._decode_eager(inp, every=every)
             if host:
                 to_host(self.ctr, [out[k] for k in names], [host[k] for k in names])

@@ -696,6 +696,47 @@ def test_engine_graphs_match_eager_and_simple():
             _logprobs_close(eng.generate(prompts, sp), outs["graphs"], fp8)
 
 
+def test_two_engines_replay_their_graphs_at_once():
+    """Two FP8 engines in one process, each generating in a thread of its own on a stream of its own, so their
+    decode graphs replay at the same time: each gives the tokens and log-probs it gave alone, and every ticket is
+    back at 0. Each Runner captures on a stream of its own, so its graphs' split-K / overlap ticket counters
+    (kernels.fp8_gemm.tickets, keyed by the capturing stream) are its own: on torch.cuda.graph's one default
+    capture stream the two engines' graphs shared them (a scratch run of two Runners' graphs hung)."""
+    import threading
+    from kernels import fp8_gemm
+    from rollout_server import Engine, SamplingParams
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (50, 130, 7, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    engines = [Engine(_engine_model(), fp8=True, dtype=torch.bfloat16, max_model_len=512) for _ in range(2)]
+    alone = [e.generate(prompts, sp) for e in engines]  # (captures every graph the runs below replay)
+    assert engines[0].runner.capture_stream != engines[1].runner.capture_stream
+    together, errors = [[], []], []
+
+    def work(i):
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(4):
+                    together[i].append(engines[i].generate(prompts, sp))
+        except BaseException as e:  # (re-raised by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "the two engines' runs did not finish within 300 s"
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    for i in range(2):
+        for run in together[i]:
+            for a, b in zip(alone[i], run):
+                assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, i
+    assert fp8_gemm.tickets_left(torch.device("cuda", torch.cuda.current_device())) == 0
+
+
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
 def test_prefill_attention(mode):
     """prefill_attention (the decode kernel over linear buffers) against its reference at mini's head shapes: a
