@@ -616,8 +616,8 @@ if triton is not None:
     def _prefill_index_kernel(QI, WI, ROWS, KEYS, COUNT, OUT, T, S, scale, stride_w, w_scale, NH: tl.constexpr,
                               D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
         """Program (t block, s block, b): the scores of BT query rows of sequence b against BS of its entries, summed
-        over the heads in-register (no (rows, heads, entries) tensor), stored as topk_first's int64 keys (-inf at
-        and past each row's count), so one torch topk over the last dimension gives the picks."""
+        over the heads in-register (no (rows, heads, entries) tensor), stored in fp32 (-inf at and past each row's
+        count) for index_topk, a row a query row."""
         tb, sb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rt = tb * BT + tl.arange(0, BT)
         rs = sb * BS + tl.arange(0, BS)
@@ -636,35 +636,36 @@ if triton is not None:
                 s = tl.maximum(tl.dot(q.to(tl.float32), k, input_precision=PREC), 0.0) * scale
                 acc += s * w[:, None]
         sc = tl.where(rs[None, :] < n[:, None], acc, float("-inf"))
-        key = (_score_key(sc).to(tl.int64) << 32) | (S - 1 - rs).to(tl.int64)[None, :]
         out = (b * T + rt).to(tl.int64)[:, None] * S + rs[None, :]
-        tl.store(OUT + out, key, mask=mt[:, None] & ms[None, :])
+        tl.store(OUT + out, sc, mask=mt[:, None] & ms[None, :])
 
 
 def prefill_index(qi, wi, rows, keys, count, k: int, w_scale: float = 1.0):
-    """prefill_index_ref on GPUs: the scores in one kernel (_prefill_index_kernel), then one torch topk. qi and wi
-    in any float dtype (read as fp32, the head products in fp8_gemm.F32_DOT's passes as index_scores'); wi's rows
-    may be strided."""
+    """prefill_index_ref on GPUs: the scores in one kernel (_prefill_index_kernel), then the decode's top-k kernel
+    over them, a row a query row (index_topk: it reads each row up to its causal count; torch's topk over
+    topk_first's int64 keys of every entry took 0.77-1.07 ms a call at 8,192 rows x 2,048 entries / 4,096 x 4,096 on
+    an H200). qi and wi in any float dtype (read as fp32, the head products in fp8_gemm.F32_DOT's passes as
+    index_scores'); wi's rows may be strided."""
     nh, d = qi.shape[1:]
     if not use_triton(qi) or d < 16 or d & (d - 1):
         return prefill_index_ref(qi, wi, rows, keys, count, k, w_scale)
     (B, T), S = rows.shape, keys.shape[1]
-    key = torch.empty(B, T, S, dtype=torch.int64, device=qi.device)
+    sc = torch.empty(B, T, S, dtype=torch.float32, device=qi.device)
     if wi.stride(-1) != 1:
         wi = wi.contiguous()
-    if key.numel():
+    if sc.numel():
         bt, bs, warps = PREFILL_INDEX_TILES
         _prefill_index_kernel[(triton.cdiv(T, bt), triton.cdiv(S, bs), B)](
-            qi.contiguous(), wi, rows.contiguous(), keys.contiguous(), count.contiguous(), key, T, S, d ** -0.5,
+            qi.contiguous(), wi, rows.contiguous(), keys.contiguous(), count.contiguous(), sc, T, S, d ** -0.5,
             wi.stride(0), w_scale, NH=nh, D=d, BT=bt, BS=bs, PREC=fp8_gemm.F32_DOT, num_warps=warps)
-    top = S - 1 - (key.topk(k, dim=-1).values & 0xFFFFFFFF)
-    return torch.where(top < count[:, None], top, -1)
+    return index_topk(sc.view(B * T, S), k, count.repeat(B)).view(B, T, k)
 
 
 # _prefill_index_kernel's (query rows, entries) a program, and its warps. On an H200 (32 heads of 128, top 512),
 # prefill_index's ms a call (of which torch's topk ~1.07 / 0.77) at 8,192 rows x 2,048 entries / 4,096 x 4,096 (rows
 # from position 12,288): (64, 32, 4) 2.32 / 2.79, (64, 64, 4) 2.51 / 2.99, (128, 64, 8) 2.36 / 2.78, (64, 128, 8)
-# 2.58 / 3.00, (32, 64, 4) 2.61 / 3.24, (128, 32, 4) 5.27 / 7.53; prefill_index_ref 7.95 / 7.53
+# 2.58 / 3.00, (32, 64, 4) 2.61 / 3.24, (128, 32, 4) 5.27 / 7.53; prefill_index_ref 7.95 / 7.53. Since the picks
+# come from index_topk instead of torch's topk: (64, 32, 4) 1.71-1.72 / 2.48-2.49 (torch's 2.23 / 2.64-2.65 then)
 PREFILL_INDEX_TILES = (64, 32, 4)
 
 

@@ -323,11 +323,14 @@ def test_index_scores():
 
 
 def test_prefill_index():
-    """prefill_index (scores in one kernel, one torch topk) against prefill_index_ref at mini's indexer shapes (32
-    heads of 128, top 512): a chunk of 2 sequences with entries past the top-k, and one long row block."""
+    """prefill_index (scores in one kernel, then index_topk a row a query row) against prefill_index_ref at mini's
+    indexer shapes (32 heads of 128, top 512): a chunk of 2 sequences with entries past the top-k, one long row
+    block, and rows past 1,024 entries (index_topk's radix select: rows in chunks, and rows held whole past 3/4
+    of S)."""
     from tests.kernel_cases import prefill_index_case
     assert prefill_index_case("cuda", 2, 600, 160, 32, 128, 64)
     assert prefill_index_case("cuda", 1, 2500, 625, 32, 128, 512, seed=1)
+    assert prefill_index_case("cuda", 1, 6000, 1500, 32, 128, 512, seed=2)
 
 
 @pytest.mark.parametrize("n", [2, 4])
