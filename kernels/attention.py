@@ -658,7 +658,11 @@ def prefill_index(qi, wi, rows, keys, count, k: int, w_scale: float = 1.0):
         _prefill_index_kernel[(triton.cdiv(T, bt), triton.cdiv(S, bs), B)](
             qi.contiguous(), wi, rows.contiguous(), keys.contiguous(), count.contiguous(), sc, T, S, d ** -0.5,
             wi.stride(0), w_scale, NH=nh, D=d, BT=bt, BS=bs, PREC=fp8_gemm.F32_DOT, num_warps=warps)
-    return index_topk(sc.view(B * T, S), k, count.repeat(B)).view(B, T, k)
+    # k is min(top-k, S): a prompt's first chunks have fewer entries than the top-k, and index_topk's kernels take k
+    # as a constant, so a power of two of at least k is asked for (a compile per power, not per entry count)
+    kp = pow2(k)
+    top = index_topk(sc.view(B * T, S), kp, count.repeat(B))
+    return (top if kp == k else top[:, :k]).reshape(B, T, k)
 
 
 # _prefill_index_kernel's (query rows, entries) a program, and its warps. On an H200 (32 heads of 128, top 512),

@@ -520,9 +520,10 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     """The split-K ticket counters of `device` and its current stream (int32 zeros, >= n): each launch's last
     programs put theirs back to 0, so launches in one stream share them; kernels of two streams may run at once,
     so each stream has its own (for a graph's kernels, the stream that captured it: rollout_server.Runner captures
-    on a stream of its own, so two engines' graphs replaying at once do not share counters). A request past the current size takes a larger buffer and keeps the old one
-    alive: a graph captured before still reads and resets that one, and freed, its memory would go to other
-    tensors whose bytes the graph's kernels would take for tickets."""
+    on a stream of its own, so two engines' graphs replaying at once do not share counters). A request past the
+    current size takes a larger buffer and keeps the old one alive: a graph captured before still reads and resets
+    that one, and freed, its memory would go to other tensors whose bytes the graph's kernels would take for
+    tickets."""
     key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else (device, 0)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
