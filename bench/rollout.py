@@ -212,15 +212,19 @@ def step_trace(events, markers=("_to_host_kernel", "Memcpy DtoH")) -> str:
 
 
 def _profiled(eng, prompt, n: int) -> tuple[float, list]:
-    """Wall seconds and CUDA events (name, start, end) of eng.generate(prompt) for n new tokens, profiled."""
+    """Wall seconds and the device's events (name, start, end) of eng.generate(prompt) for n new tokens, profiled:
+    CUDA kernels on a GPU, torch's CPU ops (nested) on the CPU."""
     from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         eng.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
-    return wall, [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    kind = "CUDA" if cuda else "CPU"
+    return wall, [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == kind]
 
 
 def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prompt_len: int = 64,
@@ -253,6 +257,27 @@ def profile_decode(model, max_len: int, B: int, fp8: bool, steps: int = 32, prom
     return "\n".join(lines)
 
 
+def profile_prefill(model, B: int, L: int, fp8: bool = True) -> str:
+    """The GPU kernels (on the CPU: torch's ops) of the FP8 (or BF16) engine's prefill of B random prompts of L tokens
+    (one new token each; the same shapes run once untimed first, so Triton's compiles are out of it), by
+    kernel_shares, with the wall time and prompt tokens/s."""
+    eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=L + 2,
+                 device=next(model.parameters()).device)
+    g = torch.Generator().manual_seed(1)
+    warm, prompts = (torch.randint(0, model.cfg.vocab_size, (B, L), generator=g).tolist() for _ in range(2))
+    eng.generate(warm, SamplingParams(max_tokens=1, ignore_eos=True))
+    wall, ev = _profiled(eng, prompts, 1)
+    k = kernel_shares(ev)
+    rows = sorted(((*v, name) for name, v in k.items()), key=lambda r: -r[2])
+    lines = [f"profile, {'FP8' if fp8 else 'BF16'} prefill of {B} x {L} tokens: wall {wall:.3f} s "
+             f"({B * L / wall:,.0f} prompt tok/s), {sum(r[0] for r in rows)} kernels, a kernel running "
+             f"{sum(r[2] for r in rows) / 1e3:.1f} ms; by kernel: share of the running time, summed time, launches"]
+    for cnt, us, crit, name in rows[:30]:
+        lines.append(f"  {crit / 1e3:8.2f} ms  {us / 1e3:8.2f} ms  {cnt:6d}x  {name[:100]}")
+    del eng
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/mini.yaml")
@@ -269,6 +294,8 @@ def main(argv=None):
                     "at the timed runs' mean context (--prompt-len + --gen-len / 2) "
                     "(with programmatic dependent launch a kernel's time includes its wait for the one before: "
                     "KERNELS_PDL=0 gives each kernel's own)")
+    ap.add_argument("--profile-prefill", default="", help="B:L: the top CUDA kernels of the FP8 engine's prefill of "
+                    "B prompts of L tokens ('' for none)")
     ap.add_argument("--trace", action="store_true", help="with --profile: also one decode step's kernels in start "
                     "order, with their durations and the gaps between them")
     ap.add_argument("--grpo", default="32:8:64", help="P:G:L: a GRPO step's rollout, P prompts of L tokens x G "
@@ -291,11 +318,16 @@ def main(argv=None):
             ap.error(f"{flag} {text!r}: positive integers separated by commas ('' for none)")
         return out
     batches, bf16_batches = sizes("--batches", args.batches), sizes("--bf16-batches", args.bf16_batches)
-    grpo = args.grpo.split(":") if args.grpo.strip() else []
-    if grpo and (len(grpo) != 3 or not all(v.strip().isdigit() and int(v) > 0 for v in grpo) or args.grpo_gen < 1):
+
+    def colon_ints(text: str, n: int) -> list[int] | None:
+        """n positive integers joined by ':' ([] for '', None if malformed)."""
+        vals = text.split(":") if text.strip() else []
+        ok = not vals or (len(vals) == n and all(v.strip().isdigit() and int(v) > 0 for v in vals))
+        return [int(v) for v in vals] if ok else None
+    grpo = colon_ints(args.grpo, 3)
+    if grpo is None or (grpo and args.grpo_gen < 1):
         ap.error(f"--grpo {args.grpo!r} / --grpo-gen {args.grpo_gen}: P:G:L, three positive integers ('' for none), "
                  "and at least one new token")
-    grpo = [int(v) for v in grpo]
     ctxs = sizes("--long-ctx", args.long_ctx)
     profiles = []
     for item in filter(str.strip, args.profile.split(",")):
@@ -303,6 +335,9 @@ def main(argv=None):
         if kind not in ("fp8", "bf16") or len(sizes("--profile", b)) != 1:
             ap.error(f"--profile {args.profile!r}: B:fp8 or B:bf16 items separated by commas")
         profiles.append((int(b), kind))
+    pre = colon_ints(args.profile_prefill, 2)
+    if pre is None:
+        ap.error(f"--profile-prefill {args.profile_prefill!r}: B:L, two positive integers ('' for none)")
     if args.trace and not profiles:
         ap.error("--trace: with --profile B:fp8|bf16 (the decode steps it traces)")
     if args.gen_len < 2 or args.prompt_len < 1:
@@ -336,6 +371,8 @@ def main(argv=None):
     for B, kind in profiles:
         print(profile_decode(model, max_len, B, kind == "fp8", prompt_len=args.prompt_len + args.gen_len // 2,
                              trace=args.trace), flush=True)
+    if pre:
+        print(profile_prefill(model, *pre), flush=True)
     if ctxs and args.long_batch:
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=args.long_batch,
                      max_model_len=max(ctxs) + args.long_gen + 1)

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from bench.rollout import group_rollout, kernel_shares, main, step_trace
+from bench.rollout import group_rollout, kernel_shares, main, profile_prefill, step_trace
 from model import ModelConfig, build_model
 from model.config import ConfigError, load_yaml
 from rollout_server import Engine
@@ -61,9 +61,10 @@ def test_rollout_bench_checks_its_config_before_the_gpu(monkeypatch):
         main(["--config", "configs/tiny.yaml", "model.compress_ratios=[0, 4]"])
     with pytest.raises(ConfigError, match="train.lr=1: only model"):
         main(["--config", "configs/tiny.yaml", "train.lr=1"])
-    for bad in ("32:8", "32:0:64", "a:8:64"):  # usage errors, also before the GPU
+    for flag, bad in (("--grpo", "32:8"), ("--grpo", "32:0:64"), ("--grpo", "a:8:64"), ("--profile-prefill", "4"),
+                      ("--profile-prefill", "4:0:1"), ("--profile-prefill", "0:16")):  # usage errors, before the GPU
         with pytest.raises(SystemExit) as e:
-            main(["--config", "configs/tiny.yaml", "--grpo", bad])
+            main(["--config", "configs/tiny.yaml", flag, bad])
         assert e.value.code == 2
     with pytest.raises(SystemExit, match="needs a CUDA or ROCm GPU"):
         main(["--config", "configs/dsv4.yaml", "--batches", "1,64", "model.num_hidden_layers=4",
@@ -89,3 +90,13 @@ def test_group_rollout_times_both_prefill_paths():
         assert 0 < t["prefill_s"] and 0 < t["decode_s"] and t["prefill_s"] + t["decode_s"] <= t["wall_s"]
     assert eng.runner.batch_prefill
     assert eng.stats["prefill_tokens"] == 2 * 5 and eng.stats["decode_tokens"] == 6 * 3  # (the last call's)
+
+
+def test_profile_prefill_reports_the_timed_prefill():
+    """--profile-prefill's report (on the CPU here, torch's ops for kernels): the header's sizes and rates, and the
+    rows in the order of their shares of the running time."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+    out = profile_prefill(build_model(cfg, seed=0), 2, 24, fp8=False).splitlines()
+    assert out[0].startswith("profile, BF16 prefill of 2 x 24 tokens: wall ") and "prompt tok/s" in out[0], out[0]
+    shares = [float(line.split()[0]) for line in out[1:]]
+    assert 0 < len(shares) <= 30 and shares == sorted(shares, reverse=True) and shares[0] > 0
