@@ -483,15 +483,27 @@ def test_pipelined_decode_equals_one_step_at_a_time(model, kw):
     assert outs[0][0].finish_reason == "stop" and len(outs[0][0].token_ids) == free.token_ids.index(stop) + 1 > 1
 
 
-def test_fp8_logprobs_within_tolerance_of_the_model():
+FP8_KINDS = pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+
+
+def _fp8_is(monkeypatch, f8):
+    """The engine's FP8 dtype as on that hardware: float8_e4m3fnuz is what fp8_dtype picks on AMD gfx942 (MI300),
+    float8_e4m3fn elsewhere; the CPU fallbacks run both."""
+    monkeypatch.setattr(rollout_server, "fp8_dtype", lambda device=None: f8)
+
+
+@FP8_KINDS
+def test_fp8_logprobs_within_tolerance_of_the_model(monkeypatch, f8):
     """FP8 weights (W8A8 with 1x128 activation tiles: dims are multiples of 128 here) vs the fp32 model on the
-    engine's own sampled tokens: mean |delta log p| < 0.05 and max < 0.3 (training init, std 0.02)."""
+    engine's own sampled tokens: mean |delta log p| < 0.05 and max < 0.3 (training init, std 0.02), in both FP8
+    formats (fnuz: max 240 against 448, bias 8 against 7)."""
+    _fp8_is(monkeypatch, f8)
     ov = ["model.vocab_size=64", "model.hidden_size=128", "model.head_dim=128", "model.qk_rope_head_dim=32",
           "model.q_lora_rank=128", "model.o_lora_rank=128", "model.moe_intermediate_size=128",
           "model.index_head_dim=128"]
     m = build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ov)["model"]), seed=0)
     eng = Engine(m, fp8=True, dtype=torch.bfloat16, device="cpu", max_model_len=128)
-    assert eng.model.layers[0].attn.wq_b.qweight.dtype == torch.float8_e4m3fn
+    assert eng.model.layers[0].attn.wq_b.qweight.dtype == f8 and eng.model.layers[0].ffn.experts.w1.dtype == f8
     prompts = [torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 30)] * 3
     outs = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, seed=1, ignore_eos=True))
     diffs = []
@@ -505,7 +517,7 @@ def test_fp8_logprobs_within_tolerance_of_the_model():
     assert d.mean() > 0  # the FP8 path is really in use
 
 
-def test_fp8_checkpoint_weights_keep_their_bits(model, tmp_path):
+def test_fp8_checkpoint_weights_keep_their_bits(model, tmp_path, monkeypatch):
     """Engine(directory, fp8=True) on an FP8 checkpoint (E8M0 block scales, save_pretrained's and the release's)
     holds the checkpoint's FP8 values: by default it quantizes the loaded weights again in the checkpoint's own
     scale format (stored_scale_fmt). With fp32 scales, the default before, the dequantized weights moved by up to
@@ -529,6 +541,17 @@ def test_fp8_checkpoint_weights_keep_their_bits(model, tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     again = Engine(model, fp8=True, dtype=torch.float32, device="cpu", max_model_len=64, fp8_scale_fmt="ue8m0")
     for a, b in zip(eng.generate(_prompts([4, 9]), sp), again.generate(_prompts([4, 9]), sp)):
+        _same(a, b)
+    # on AMD gfx942 the engine holds float8_e4m3fnuz: the checkpoint's e4m3fn values are the same numbers there
+    # (a value past fnuz's 240 takes the next power-of-two scale and halves, exactly), so the same outputs
+    _fp8_is(monkeypatch, torch.float8_e4m3fnuz)
+    amd = Engine(tmp_path, fp8=True, dtype=torch.float32, device="cpu", max_model_len=64)
+    assert amd.model.layers[0].attn.wq_b.qweight.dtype == torch.float8_e4m3fnuz
+    assert torch.equal(amd.model.layers[0].attn.wq_b.weight, want("layers.0.attn.wq_b"))
+    ex = amd.model.layers[0].ffn.experts
+    assert ex.w2.dtype == torch.float8_e4m3fnuz
+    assert torch.equal(dequant_fp8_block(ex.w2[1], ex.s2[1]), want("layers.0.ffn.experts.1.w2"))
+    for a, b in zip(eng.generate(_prompts([4, 9]), sp), amd.generate(_prompts([4, 9]), sp)):
         _same(a, b)
 
 def test_weight_updates_reach_the_paged_engine(model):
@@ -615,13 +638,16 @@ def test_every_eos_id_of_a_list_ends_a_sequence(model, tmp_path):
 
 
 @pytest.mark.parametrize("send_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8_send", [True, False], ids=["fp8-send", "plain-send"])
+@pytest.mark.parametrize("fp8_send", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, None],
+                         ids=["fp8-send", "fnuz-send", "plain-send"])
 @pytest.mark.parametrize("ep", [None, (None, 2, 1)], ids=["all-experts", "ep2-rank1"])
-def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep):
+def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep, monkeypatch):
     """The receiver's fast path (persistent buckets, byte copies batched per bucket) leaves exactly the tensors
     the per-tensor slow twin leaves: FP8 bytes sent as they are or re-quantized on arrival, casts, expert slices
-    under rollout expert parallelism, tensors split over many small buckets."""
-    fp8 = fp8_dtype(torch.device("cpu"))
+    under rollout expert parallelism, tensors split over many small buckets; fnuz-send: both sides on AMD gfx942,
+    whose FP8 is float8_e4m3fnuz."""
+    fp8 = fp8_send or fp8_dtype(torch.device("cpu"))
+    _fp8_is(monkeypatch, fp8)
     new = build_model(model.cfg, seed=9)
     spec, tensors = [], []
     for name, t in new.state_dict().items():
