@@ -2613,6 +2613,9 @@ _LINE_FIELDS = {
 }
 
 
+MAX_MODEL_LEN = 8192  # the CLI's largest default --max-model-len
+
+
 def read_prompts(path: Path, tokenizer, vocab: int,
                  base: SamplingParams) -> list[tuple[list[int], SamplingParams, int]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
@@ -2653,10 +2656,10 @@ def read_prompts(path: Path, tokenizer, vocab: int,
             if "prompt_token_ids" in d:
                 d = d["prompt_token_ids"]
             elif "prompt" in d:
-                if tokenizer is None:
-                    raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
                 if not isinstance(d["prompt"], str) or not d["prompt"]:
                     raise SystemExit(f"{path}:{n}: prompt = {json.dumps(d['prompt'])} is not a non-empty string")
+                if tokenizer is None:
+                    raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
                 try:
                     d = tokenizer.apply_chat(d["prompt"])
                 except ValueError as e:
@@ -2693,7 +2696,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--max-seqs", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, help="positions a sequence may reach (default: what the longest "
+                    "request needs, at least the model's max_position_embeddings, at most 8192)")
     ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
     ap.add_argument("--bench", action="store_true", help="random prompts: print throughput")
     ap.add_argument("--batch", type=int, default=64)
@@ -2711,7 +2715,7 @@ def main(argv=None):
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
     for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.bench:
         if args.prompts is None or args.out is None:
@@ -2724,9 +2728,9 @@ def main(argv=None):
             ap.error(f"--out {args.out}: a directory, not a file")
         if args.out.resolve() == args.prompts.resolve():
             ap.error(f"--out {args.out}: the prompts file itself")
-    elif args.engine == "paged" and args.prompt_len + args.max_tokens > args.max_model_len:
+    elif args.engine == "paged" and args.prompt_len + args.max_tokens > (args.max_model_len or MAX_MODEL_LEN):
         ap.error(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} exceed --max-model-len "
-                 f"{args.max_model_len}")
+                 f"{args.max_model_len or MAX_MODEL_LEN}")
     if args.tokenizer and not Path(args.tokenizer).is_file():
         ap.error(f"--tokenizer {args.tokenizer}: no such file")
     yaml_model = args.model.endswith((".yaml", ".yml"))
@@ -2756,6 +2760,10 @@ def main(argv=None):
             ap.error(f"--tokenizer / --chat-template / --bos-token: {e}")
     if not args.bench:
         lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
+    if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
+        need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, _ in lines)
+        args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
+    if not args.bench:
         for p, q, n in lines:  # the engine's own check names no line
             if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
                 raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "

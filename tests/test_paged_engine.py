@@ -299,6 +299,7 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
                      ({"prompt_token_ids": [1], "top_p": 0}, "p.jsonl:2: bad sampling parameters"),
                      ({"prompt_token_ids": [1], "max_tokens": "5"}, 'p.jsonl:2: max_tokens = "5" is not an integer'),
                      ({"max_tokens": 5}, "p.jsonl:2: expected a non-empty list of token ids"),
+                     ({"prompt": 5}, "p.jsonl:2: prompt = 5 is not a non-empty string"),  # (not: needs --tokenizer)
                      ({"prompt_token_ids": [1], "max_tokens": 9000},
                       "p.jsonl:2: 1 prompt tokens \\+ max_tokens 9000 exceed --max-model-len 8192")):
         src.write_text(json.dumps([3]) + "\n" + json.dumps(bad) + "\n")
@@ -327,6 +328,36 @@ def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     assert len(warm) == len(timed) == 3 and {len(p) for p in warm + timed} == {9}
     assert all(a != b for a in warm for b in timed) and wp.max_tokens == 2 and tp.max_tokens == 4
     assert "3 x (9 prompt + 4 generated) on cpu:" in capsys.readouterr().out
+
+
+def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
+    """Without --max-model-len the engine gets what the longest request needs, at least the model's
+    max_position_embeddings (256 in tiny.yaml), at most 8192: no warning of positions past the model's context
+    unless a request needs them."""
+    import json
+    import warnings
+    import rollout_server
+    seen = []
+
+    class Spy(rollout_server.Engine):
+        def __init__(self, *a, **kw):
+            seen.append(kw["max_model_len"])
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(rollout_server, "Engine", Spy)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps([3, 4, 5]) + "\n" + json.dumps({"prompt_token_ids": [6] * 230, "max_tokens": 20}) + "\n")
+    argv = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "o.jsonl"),
+            "--max-tokens", "3", "--max-seqs", "2"]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        rollout_server.main(argv)
+        rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--batch", "2", "--prompt-len", "8",
+                             "--max-tokens", "3"])
+    assert seen == [256, 256] and not [x for x in w if "max_position_embeddings" in str(x.message)]
+    src.write_text(json.dumps([3, 4, 5]) + "\n")
+    with pytest.warns(UserWarning, match="max_model_len 303 exceeds the model's max_position_embeddings 256"):
+        rollout_server.main(argv[:-4] + ["--max-tokens", "300", "--max-seqs", "1"])
+    assert seen[-1] == 303
 
 
 def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch):
