@@ -2698,6 +2698,8 @@ def main(argv=None):
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, help="positions a sequence may reach (default: what the longest "
                     "request needs, at least the model's max_position_embeddings, at most 8192)")
+    ap.add_argument("--mem-fraction", type=float, default=0.85,
+                    help="of the GPU memory free after the weights, for the cache pools (paged engine)")
     ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
     ap.add_argument("--bench", action="store_true", help="random prompts: print throughput")
     ap.add_argument("--batch", type=int, default=64)
@@ -2717,6 +2719,8 @@ def main(argv=None):
     for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.mem_fraction <= 1:
+        ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if not args.bench:
         if args.prompts is None or args.out is None:
             ap.error("--prompts and --out are required (or --bench)")
@@ -2774,7 +2778,8 @@ def main(argv=None):
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
               fp8_scale_fmt=args.fp8_scale_fmt)
     if args.engine == "paged":
-        kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs)
+        kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
+                  mem_fraction=args.mem_fraction)
     try:
         engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)

@@ -337,11 +337,12 @@ def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
     import json
     import warnings
     import rollout_server
-    seen = []
+    seen, fractions = [], []
 
     class Spy(rollout_server.Engine):
         def __init__(self, *a, **kw):
             seen.append(kw["max_model_len"])
+            fractions.append(kw["mem_fraction"])
             super().__init__(*a, **kw)
     monkeypatch.setattr(rollout_server, "Engine", Spy)
     src = tmp_path / "p.jsonl"
@@ -352,7 +353,8 @@ def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         rollout_server.main(argv)
         rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--batch", "2", "--prompt-len", "8",
-                             "--max-tokens", "3"])
+                             "--max-tokens", "3", "--mem-fraction", "0.5"])
+    assert fractions == [0.85, 0.5]  # (--mem-fraction: the pools' share of the GPU memory left)
     assert seen == [256, 256] and not [x for x in w if "max_position_embeddings" in str(x.message)]
     src.write_text(json.dumps([3, 4, 5]) + "\n")
     with pytest.warns(UserWarning, match="max_model_len 303 exceeds the model's max_position_embeddings 256"):
@@ -384,6 +386,7 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "no directory"),
                       (["--model", "configs/tiny.yaml", *ok, "--n", "0"], "--n must be >= 1, got 0"),
                       (["--model", "configs/tiny.yaml", *ok, "--chunk", "0"], "--chunk must be >= 1"),
+                      (["--model", "configs/tiny.yaml", *ok, "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1]"),
                       (["--model", "configs/tiny.yaml", *ok, "--temperature", "-1"], "temperature=-1.0"),
                       (["--model", "configs/tiny.yaml", "--out", "o.jsonl"], "--prompts and --out are required"),
                       # these three loaded the weights first, then failed
