@@ -1734,11 +1734,8 @@ class Engine:
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
-        if max_model_len > self.cfg.max_position_embeddings:
-            warnings.warn(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                          f"{self.cfg.max_position_embeddings}: positions past it are beyond its trained context",
-                          stacklevel=2)
         self.max_seqs, self.max_model_len, self.max_batch_tokens = max_seqs, max_model_len, max_batch_tokens
+        self.warned_context = False  # generate's warning of positions past max_position_embeddings, given once
         n_blocks = self._size_pools(num_blocks, block_entries, mem_fraction)
         if ep is not None:  # identical schedules need identical pools: take the group's smallest
             t = torch.tensor([n_blocks["csa"], n_blocks["hca"]], device=device)
@@ -1789,6 +1786,13 @@ class Engine:
             if over:  # it would run until its cache outgrows the whole pool
                 raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} need "
                                  f"{over} cache blocks, the pools hold {pool}: raise num_blocks or mem_fraction")
+        long = next((i for i, (p, sp) in enumerate(zip(prompts, params))
+                     if len(p) + sp.max_tokens > self.cfg.max_position_embeddings), None)
+        if long is not None and not self.warned_context:  # (once an engine: a run's every call would repeat it)
+            self.warned_context = True
+            warnings.warn(f"prompt {first_index + long}: {len(prompts[long])} tokens + max_tokens "
+                          f"{params[long].max_tokens} reach past the model's max_position_embeddings "
+                          f"{self.cfg.max_position_embeddings}: positions beyond its trained context", stacklevel=2)
         seqs = [Sequence(first_index + i, p, params[i]) for i, p in enumerate(prompts)]
         leaders: dict[tuple, Sequence] = {}
         for s in seqs:  # a GRPO group shares its prompt: one prefill, blocks shared

@@ -105,9 +105,19 @@ def test_sampling_seeds_top_k_top_p(model):
                     (dict(mem_fraction=1.5), r"mem_fraction=1.5 \(in \(0, 1\]\)")):
         with pytest.raises(ValueError, match=msg):
             Engine(model, fp8=False, dtype=torch.float32, device="cpu", **kw)
-    P = model.cfg.max_position_embeddings  # allowed (RoPE extrapolates), but said
-    with pytest.warns(UserWarning, match=f"max_model_len {P + 1} exceeds the model's max_position_embeddings {P}"):
-        Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=P + 1)
+    P = model.cfg.max_position_embeddings  # allowed (RoPE extrapolates), but said: when a request reaches past
+    # it, once an engine (not for a max_model_len it may never reach: the default 4096 is past a tiny model's)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=P + 1)
+        eng.generate([[3] * (P - 1)], SamplingParams(temperature=0, max_tokens=1))
+    with pytest.warns(UserWarning, match=f"prompt 1: {P - 1} tokens \\+ max_tokens 2 reach past the model's "
+                      f"max_position_embeddings {P}"):
+        eng.generate([[3], [3] * (P - 1)], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng.generate([[3] * (P - 1)], SamplingParams(temperature=0, max_tokens=2))
 
 
 def test_fp8_holders_and_weight_updates(model):

@@ -357,7 +357,8 @@ def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
     assert fractions == [0.85, 0.5]  # (--mem-fraction: the pools' share of the GPU memory left)
     assert seen == [256, 256] and not [x for x in w if "max_position_embeddings" in str(x.message)]
     src.write_text(json.dumps([3, 4, 5]) + "\n")
-    with pytest.warns(UserWarning, match="max_model_len 303 exceeds the model's max_position_embeddings 256"):
+    with pytest.warns(UserWarning, match="prompt 0: 3 tokens \\+ max_tokens 300 reach past the model's "
+                      "max_position_embeddings 256"):
         rollout_server.main(argv[:-4] + ["--max-tokens", "300", "--max-seqs", "1"])
     assert seen[-1] == 303
 
