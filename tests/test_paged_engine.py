@@ -229,6 +229,44 @@ def test_groups_admitted_together_keep_the_blocks_their_forks_need(model):
 
 
 
+def _random_run(seed):
+    """A random request mix (shared-prompt groups, greedy and sampled rows, top-k / top-p, stop ids, EOS on or
+    off, 1-40 new tokens) and random engine sizes (slots, prefill chunk, small block pools): (prompts, params, kw)."""
+    import random
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(rng.randint(1, 7)):
+        p = torch.randint(3, 32, (rng.choice([1, 2, 4, 7, 15, 16, 17, 30, 33, 47, 64]),), generator=g).tolist()
+        prompts += [p] * rng.choice([1, 1, 1, 2, 3])
+    rng.shuffle(prompts)
+    params = [SamplingParams(temperature=rng.choice([0, 0, 0.7, 1.0]), top_k=rng.choice([0, 0, 5]),
+                             top_p=rng.choice([1.0, 1.0, 0.9]), max_tokens=rng.randint(1, 40), seed=rng.randint(0, 5),
+                             stop_token_ids=rng.choice([[], [], [7], [3, 9]]), ignore_eos=rng.random() < 0.5)
+              for _ in prompts]
+    kw = dict(max_seqs=rng.choice([1, 2, 3, 8, 32]), pipeline=rng.random() < 0.6,
+              max_batch_tokens=rng.choice([8, 16, 40, 8192]))
+    if rng.random() < 0.5:
+        kw.update(num_blocks=rng.choice([6, 8, 12, 20]), block_entries=rng.choice([2, 4, 8]))
+    return prompts, params, kw
+
+
+def test_random_request_mixes_match_the_simple_engine(model):
+    """Random mixes of everything the scheduler juggles at once, against the simple engine. 300 seeds of
+    _random_run passed offline (2026-12-04); these four cover preemption with shared groups (10, 12, 37), one
+    slot with chunked prefill (2), pipelined and not, and sequences ending on stop ids."""
+    preempted, stopped = 0, 0
+    for seed in (2, 10, 12, 37):
+        prompts, params, kw = _random_run(seed)
+        ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(prompts, params)
+        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, **kw)
+        for a, b in zip(ref, eng.generate(prompts, params)):
+            _same(a, b)
+        assert all(len(a.free) == len(a.ref) - 1 for a in eng.cache.alloc.values()), seed  # every block back
+        preempted += eng.stats["preemptions"] > 0
+        stopped += sum(o.finish_reason == "stop" for o in ref)
+    assert preempted >= 3 and stopped >= 10, (preempted, stopped)
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_a_call_that_raises_gives_back_its_slots_and_blocks(model, monkeypatch, pipeline):
     """generate raising mid-run (here the third decode step; a KeyboardInterrupt or a device error alike) leaves the
