@@ -20,8 +20,9 @@ the compressor / indexer-key projections stay in the compute dtype.
 Outputs: `routed_experts` has one row per token fed through the model (prompt + completion[:-1]):
 (n, layers, top_k) uint8. Log-probs are of the sampled tokens under the temperature-scaled distribution (before
 top-p / top-k). Sampling noise is a hash of (request seed, sequence index, token index), so a request's samples do
-not depend on what else is in the batch, on preemption, or on which engine runs it: exactly so in fp32; in BF16
-the logits themselves may round differently with the rows beside them (README).
+not depend on what else is in the batch, on preemption, or on which engine runs it: exactly so in fp32 without FP8;
+in BF16, and with FP8 weights (each row's activations quantized), the logits themselves may round differently with
+the rows beside them (README).
 """
 from __future__ import annotations
 
