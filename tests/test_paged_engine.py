@@ -257,10 +257,11 @@ def test_random_request_mixes_match_the_simple_engine(model):
     preempted, stopped = 0, 0
     for seed in (2, 10, 12, 37):
         prompts, params, kw = _random_run(seed)
-        ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu").generate(prompts, params)
-        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, **kw)
+        ref = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu", record_index=True).generate(prompts,
+                                                                                                          params)
+        eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, record_index=True, **kw)
         for a, b in zip(ref, eng.generate(prompts, params)):
-            _same(a, b)
+            _same(a, b)  # tokens, log-probs, routing, the indexer's choices, finish reasons
         assert all(len(a.free) == len(a.ref) - 1 for a in eng.cache.alloc.values()), seed  # every block back
         preempted += eng.stats["preemptions"] > 0
         stopped += sum(o.finish_reason == "stop" for o in ref)
