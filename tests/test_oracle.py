@@ -38,6 +38,24 @@ def test_logits_match_transformers(case, tmp_path):
     assert (alone[0] - out[1, :45]).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_on_a_transformers_checkpoint_decodes_as_transformers(case, tmp_path):
+    """The paged engine (fp32, no FP8) on the directory transformers saved: its greedy completions are
+    transformers' own argmax at every position of prompt + completion, its log-probs transformers' log-softmax
+    (end to end: checkpoint reading, prefill, the paged decode steps across compress windows)."""
+    from rollout_server import Engine, SamplingParams
+    hf = make_hf(case)
+    hf.save_pretrained(tmp_path)
+    eng = Engine(tmp_path, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, CASES[case]["vocab_size"], (n,), generator=g).tolist() for n in (5, 40)]
+    for p, o in zip(prompts, eng.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))):
+        with torch.no_grad():
+            lp = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        assert lp.argmax(-1).tolist() == o.token_ids
+        assert (lp.gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0] - torch.tensor(o.logprobs)).abs().max() <= TOL
+
+
 def test_transformers_native_names_with_prefix(tmp_path):
     """A state dict in transformers' own module names (model.layers.N.self_attn.q_a_proj..., fused experts)."""
     hf = make_hf("mixed", seed=3)
