@@ -50,11 +50,12 @@ def phase_kind(name: str) -> str:
     return re.sub(r" (after|at) step \d+$| \d+$", "", name)
 
 
-def launch(out: Path, steps: int, extra=(), resume: str = "", nproc: int = WORLD, env=None, max_restarts: int = 0):
+def launch(out: Path, steps: int, extra=(), resume: str = "", nproc: int = WORLD, env=None, max_restarts: int = 0,
+           script: str = "train_grpo.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
-    cmd += ["train_grpo.py", "--config", "configs/tiny.yaml", f"out_dir={out}", f"train.steps={steps}", *SMALL, *extra]
+    cmd += [script, "--config", "configs/tiny.yaml", f"out_dir={out}", f"train.steps={steps}", *SMALL, *extra]
     if resume:
         cmd += ["--resume", resume]
     full = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

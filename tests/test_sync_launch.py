@@ -12,16 +12,20 @@ from tests.recovery import SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
-                                   ["rollout.engine=simple"]],
-                         ids=["fsdp-fp8-send", "ep2-fp8-send", "fsdp-bf16-rollout-unquantized-send", "simple-engine"])
+                                   ["rollout.engine=simple"], ["fnuz"]],
+                         ids=["fsdp-fp8-send", "ep2-fp8-send", "fsdp-bf16-rollout-unquantized-send", "simple-engine",
+                              "fnuz-fp8-send"])
 def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
     """With rollout.sync_verify every sync compares checksums of the rollout's FP8 bytes and scales with the
     quantization of the actor's full (fp32) weights; any difference fails the run. With sync_fp8 off the FP8-held
     weights travel in the actor's dtype, so a BF16 rollout quantizes what the actor holds (it quantized a BF16
-    copy before: other FP8 bytes than sync_fp8 gives)."""
-    out = tmp_path / "run"
-    finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra]))
+    copy before: other FP8 bytes than sync_fp8 gives). fnuz: every rank's FP8 is float8_e4m3fnuz, as on AMD
+    gfx942 (tests/fnuz_train.py)."""
+    out, fnuz = tmp_path / "run", extra == ["fnuz"]
+    log = finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra[fnuz:]],
+                        script="tests/fnuz_train.py" if fnuz else "train_grpo.py"))
     assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert not fnuz or log.count("-> float8_e4m3fnuz") == 3, log[-3000:]  # (each rank's first ask)
 
 
 def test_off_policy_one_step_stale_and_still_learns(tmp_path):
