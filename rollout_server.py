@@ -1787,9 +1787,10 @@ class Engine:
             if over:  # it would run until its cache outgrows the whole pool
                 raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} need "
                                  f"{over} cache blocks, the pools hold {pool}: raise num_blocks or mem_fraction")
-        long = next((i for i, (p, sp) in enumerate(zip(prompts, params))
-                     if len(p) + sp.max_tokens > self.cfg.max_position_embeddings), None)
-        if long is not None and not self.warned_context:  # (once an engine: a run's every call would repeat it)
+        long = None if self.warned_context else next(  # (once an engine: a run's every call would repeat it)
+            (i for i, (p, sp) in enumerate(zip(prompts, params)) if len(p) + sp.max_tokens >
+             self.cfg.max_position_embeddings), None)
+        if long is not None:
             self.warned_context = True
             warnings.warn(f"prompt {first_index + long}: {len(prompts[long])} tokens + max_tokens "
                           f"{params[long].max_tokens} reach past the model's max_position_embeddings "

@@ -261,8 +261,7 @@ def profile_prefill(model, B: int, L: int, fp8: bool = True) -> str:
     """The GPU kernels (on the CPU: torch's ops) of the FP8 (or BF16) engine's prefill of B random prompts of L tokens
     (one new token each; the same shapes run once untimed first, so Triton's compiles are out of it), by
     kernel_shares, with the wall time and prompt tokens/s."""
-    eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=L + 2,
-                 device=next(model.parameters()).device)
+    eng = Engine(model, fp8=fp8, dtype=torch.bfloat16, max_seqs=B, max_model_len=L + 2)
     g = torch.Generator().manual_seed(1)
     warm, prompts = (torch.randint(0, model.cfg.vocab_size, (B, L), generator=g).tolist() for _ in range(2))
     eng.generate(warm, SamplingParams(max_tokens=1, ignore_eos=True))
