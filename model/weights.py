@@ -418,15 +418,25 @@ def export_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     return release_tensors(model.state_dict().items(), model.cfg)
 
 
+def process_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status, 4.7+): setting it to
+    read it back would give files another thread creates meanwhile the mode 0666."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o077)  # (the brief window then errs toward private files)
+        os.umask(mask)
+        return mask
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None):
     """safetensors' save_file, the file then given the mode open() gives new files (0666 less the umask): safetensors
     0.8 creates its files 0600 whatever the umask, so a checkpoint's weights were unreadable to other users
     (a serving process under another account) while its config.json beside them was readable."""
     save_file(tensors, str(path), metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
     try:
-        os.chmod(path, 0o666 & ~mask)
+        os.chmod(path, 0o666 & ~process_umask())
     except OSError:  # a filesystem without modes (some network / FUSE mounts): the file is written, keep it as is
         pass
 

@@ -287,3 +287,25 @@ def test_saved_files_take_the_umask(tiny, tmp_path, umask):
     modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
     assert len([n for n in modes if n.endswith(".safetensors")]) > 1 and "config.json" in modes
     assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
+
+
+def test_process_umask_reads_it_without_changing_it(monkeypatch):
+    """process_umask reads /proc/self/status (no window in which another thread's new files get mode 0666); without
+    it, it falls back to setting and restoring the umask. Both give the umask and leave it as it was."""
+    from model import weights
+    old = os.umask(0o027)
+    try:
+        assert weights.process_umask() == 0o027
+        real_open = open
+
+        def no_proc(path, *a, **k):
+            if str(path).startswith("/proc"):
+                raise FileNotFoundError(path)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr("builtins.open", no_proc)
+        assert weights.process_umask() == 0o027
+        monkeypatch.undo()
+        assert os.umask(0o027) == 0o027
+    finally:
+        os.umask(old)
+
