@@ -392,15 +392,32 @@ class ModelConfig:
         return {"total": total, "routed_experts": routed, "active": active}
 
 
+def _unique_keys(pairs) -> dict:
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"key {k!r} given twice")
+        d[k] = v
+    return d
+
+
+def strict_json(text: str):
+    """json.loads, but an object giving a key twice is a ValueError naming the key (json.loads keeps the last
+    silently); bad syntax is json.JSONDecodeError (a ValueError) as before."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     f = path / "config.json" if path.is_dir() else path
     if not f.exists():
         raise FileNotFoundError(f"{f}: no config.json")
     try:
-        d = json.loads(f.read_text())
+        d = strict_json(f.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    except ValueError as e:  # a key given twice: which one was meant is unknowable
+        raise ConfigError(f"{f}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
         raise ConfigError(f"{f}: cannot read ({type(e).__name__}: {e})") from None
     cfg = ModelConfig.from_hf_config(d, where=str(f))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from .config import strict_json
+
 
 @dataclass
 class Item:
@@ -35,19 +37,10 @@ def jsonl_lines(path: Path) -> list[str]:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
-def _unique_keys(pairs) -> dict:
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"key {k!r} given twice")
-        d[k] = v
-    return d
-
-
 def json_line(line: str):
     """One JSONL line's value; a ValueError (json.JSONDecodeError for bad syntax) names a key an object gives twice
     (json.loads would keep the last silently)."""
-    return json.loads(line, object_pairs_hook=_unique_keys)
+    return strict_json(line)
 
 
 def _bucket(text: str, buckets: int) -> int:

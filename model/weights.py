@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from kernels.quant import BLOCK, dequant_fp8_block, dequant_mxfp4, quant_fp8_block
 
-from .config import ModelConfig, load_hf_config
+from .config import ModelConfig, load_hf_config, strict_json
 from .model import Experts, Transformer
 
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2}
@@ -92,8 +92,8 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, OSError, UnicodeDecodeError) as e:
+            wm = strict_json(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, OSError) as e:  # (JSON syntax, a key given twice, not text)
             raise WeightError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         if not isinstance(wm, dict) or not all(isinstance(f, str) and f for f in wm.values()):
             raise WeightError(f"{index}: weight_map must map tensor names to shard file names")

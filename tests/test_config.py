@@ -102,6 +102,9 @@ def test_overrides_and_file_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
         load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 2, "hidden_size": 32}')
+    with pytest.raises(ConfigError, match="config.json: key 'hidden_size' given twice"):
+        load_hf_config(tmp_path)
 
 
 def test_yaml_words_off_and_yes():
