@@ -364,9 +364,12 @@ def stored_scale_fmt(path: str | Path) -> str:
 
 def float_dtype(dtype, who: str) -> torch.dtype:
     """dtype as a torch float dtype of the weights: torch.float32 / bfloat16 / float16, or its name ("bfloat16",
-    "torch.bfloat16"); anything else is a ValueError naming `who`."""
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+    "torch.bfloat16", or the configs' short "bf16" / "fp32" / "fp16"); anything else is a ValueError naming `who`."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        short = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        dtype = short.get(name, getattr(torch, name, None) if isinstance(getattr(torch, name, None), torch.dtype)
+                          else dtype)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{who}: dtype {dtype!r}: torch.float32, torch.bfloat16 or torch.float16")
     return dtype

@@ -229,6 +229,10 @@ def test_load_arguments_and_forward_inputs_are_checked(tiny, tmp_path):
         load_pretrained(tmp_path, dtype=torch.float64, progress=False)
     with pytest.raises(TypeError, match="is a dtype"):
         load_pretrained(tmp_path, torch.bfloat16, progress=False)
+    for name, want in [("float16", torch.float16), ("fp16", torch.float16), ("bf16", torch.bfloat16)]:
+        assert load_pretrained(tmp_path, dtype=name, progress=False).embed.weight.dtype == want
+    with pytest.raises(ValueError, match="dtype 'bf32'"):
+        load_pretrained(tmp_path, dtype="bf32", progress=False)
     m = load_pretrained(tmp_path, dtype="bfloat16", progress=False)
     assert m.embed.weight.dtype == torch.bfloat16
     V = tiny.cfg.vocab_size
