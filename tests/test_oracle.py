@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from model import load_pretrained, save_pretrained
 from model.weights import transformers_deepseek_v4
-from tests.oracle import CASES, make_hf
+from tests.oracle import CASES, make_hf, random_case
 
 pytest.importorskip("transformers")
 TOL = 1e-4
@@ -50,6 +50,28 @@ def test_engine_on_a_transformers_checkpoint_decodes_as_transformers(case, tmp_p
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, CASES[case]["vocab_size"], (n,), generator=g).tolist() for n in (5, 40)]
     for p, o in zip(prompts, eng.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))):
+        with torch.no_grad():
+            lp = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        assert lp.argmax(-1).tolist() == o.token_ids
+        assert (lp.gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0] - torch.tensor(o.logprobs)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("seed", [4, 11, 16, 28, 38])  # (together: every feature random_case varies)
+def test_random_configs_match_transformers(seed, tmp_path):
+    """Random tiny configs (random_case: layer types, widths, heads, RoPE, scoring, clamp, hc streams, tying):
+    our logits are transformers' and the paged engine's greedy completions its argmax."""
+    from rollout_server import Engine, SamplingParams
+    case = random_case(seed)
+    hf = make_hf("mixed", seed, **case)
+    hf.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, case["vocab_size"], (2, 50), generator=g)
+    with torch.no_grad():
+        ref, out = hf(ids).logits, load_pretrained(tmp_path, progress=False)(ids)
+    assert ref.abs().max() > 0.1 and (out - ref).abs().max() <= TOL * max(1.0, ref.abs().max().item())
+    eng = Engine(tmp_path, fp8=False, dtype=torch.float32, device="cpu", max_model_len=128, block_entries=4)
+    prompts = [torch.randint(0, case["vocab_size"], (n,), generator=g).tolist() for n in (3, 37)]
+    for p, o in zip(prompts, eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))):
         with torch.no_grad():
             lp = hf(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
         assert lp.argmax(-1).tolist() == o.token_ids
