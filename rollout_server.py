@@ -2682,6 +2682,59 @@ def read_prompts(path: Path, tokenizer, vocab: int,
     return out
 
 
+# the arguments that decide what a --prompts/--out run writes: a resumed run must be given the same ones
+_RUN_ARGS = ("model", "tokenizer", "chat_template", "bos_token", "bf16", "fp8_scale_fmt", "engine", "max_tokens",
+             "temperature", "top_p", "top_k", "seed", "n", "chunk", "index_entries", "no_routed_experts")
+
+
+def run_settings(args) -> dict:
+    """What a run's output depends on (and --resume checks): those arguments, and the prompts file's bytes."""
+    import hashlib
+    s = {k: getattr(args, k) for k in _RUN_ARGS}
+    s["model"] = str(Path(args.model).resolve())
+    s["prompts_sha256"] = hashlib.sha256(args.prompts.read_bytes()).hexdigest()
+    return s
+
+
+def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple[int, int, list[int]]],
+                 chunk: int) -> int:
+    """How many of the requests (index, sample, prompt token ids) an interrupted run's <out>.partial holds whole:
+    its complete records up to the last whole chunk (the file cut there). Another run's file, or one written with
+    other arguments or prompts (meta: that run's run_settings), is an error that says which."""
+    if not meta.is_file():
+        raise SystemExit(f"--resume: {meta} is missing, so {partial} cannot be checked against this request: "
+                         f"remove {partial}, or run without --resume")
+    try:
+        old = json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--resume: {meta}: unreadable ({e})") from None
+    for k in settings:
+        if not isinstance(old, dict) or old.get(k) != settings[k]:
+            was = old.get(k) if isinstance(old, dict) else None
+            what = ("the prompts file has changed since" if k == "prompts_sha256" else
+                    f"--{k.replace('_', '-')} was {was!r}, now {settings[k]!r}")
+            raise SystemExit(f"--resume: {partial} was written by another request ({what}): give the same arguments "
+                             f"and prompts, or run without --resume")
+    data = partial.read_bytes()
+    whole, end, ends = 0, 0, [0]
+    for n, raw in enumerate(data.split(b"\n")[:-1], 1):  # (the piece after the last newline is torn)
+        end += len(raw) + 1
+        try:
+            rec = json.loads(raw)
+            key = (rec["index"], rec["sample"], rec["prompt_token_ids"])
+        except (ValueError, KeyError, TypeError):
+            break  # a record cut short by the interruption: the run's chunk from here on is done again
+        if whole >= len(requests) or key != requests[whole]:
+            raise SystemExit(f"--resume: {partial}:{n} is not the completion of request {whole} of this run "
+                             f"(prompts line order or --n differ)")
+        whole += 1
+        ends.append(end)
+    keep = whole if whole == len(requests) else whole // chunk * chunk
+    with open(partial, "r+b") as f:
+        f.truncate(ends[keep])
+    return keep
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput.")
     ap.add_argument("--model", required=True, help="checkpoint directory, or a YAML config (random weights)")
@@ -2707,6 +2760,9 @@ def main(argv=None):
     ap.add_argument("--mem-fraction", type=float, default=0.85,
                     help="of the GPU memory free after the weights, for the cache pools (paged engine)")
     ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue an interrupted run (same arguments and prompts) from <out>.partial, keeping "
+                         "its whole chunks (each generated as one batch, as an uninterrupted run would)")
     ap.add_argument("--bench", action="store_true", help="random prompts: print throughput")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -2738,6 +2794,8 @@ def main(argv=None):
             ap.error(f"--out {args.out}: a directory, not a file")
         if args.out.resolve() == args.prompts.resolve():
             ap.error(f"--out {args.out}: the prompts file itself")
+    elif args.resume:
+        ap.error("--resume continues a --prompts/--out run, not --bench")
     elif args.engine == "paged" and args.prompt_len + args.max_tokens > (args.max_model_len or MAX_MODEL_LEN):
         ap.error(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} exceed --max-model-len "
                  f"{args.max_model_len or MAX_MODEL_LEN}")
@@ -2768,8 +2826,23 @@ def main(argv=None):
             tok = HFTokenizer(args.tokenizer, args.chat_template, args.bos_token or None)
         except (OSError, ValueError, ImportError) as e:
             ap.error(f"--tokenizer / --chat-template / --bos-token: {e}")
+    start = 0
     if not args.bench:
         lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
+        # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one
+        # (beside it <out>.partial.json, the run's settings): an interrupted run leaves no file that looks
+        # complete, an earlier --out stays as it was, and --resume goes on from the last whole chunk
+        partial = args.out.with_name(args.out.name + ".partial")
+        meta = args.out.with_name(args.out.name + ".partial.json")
+        settings = run_settings(args)
+        if args.resume and partial.exists():
+            start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
+                                                           enumerate(lines)], args.chunk)
+            print(f"resuming: {start} of {len(lines)} completions kept from {partial}")
+        elif args.resume:
+            print(f"--resume: no {partial}, so starting from the first prompt")
+        elif partial.exists():
+            print(f"{partial} (an interrupted run) is started over: --resume would continue it", file=sys.stderr)
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
         need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, _ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
@@ -2808,11 +2881,13 @@ def main(argv=None):
               f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
-    # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one: an
-    # interrupted run leaves no file that looks complete, and an earlier --out stays as it was
-    partial = args.out.with_name(args.out.name + ".partial")
-    with open(partial, "w") as f:
-        for start in tqdm(range(0, len(prompts), args.chunk), desc="generating", unit="chunk"):
+    if not start:
+        tmp = meta.with_name(meta.name + ".tmp")
+        tmp.write_text(json.dumps(settings))
+        os.replace(tmp, meta)
+    with open(partial, "a" if start else "w") as f:
+        for start in tqdm(range(start, len(prompts), args.chunk), desc="generating", unit="chunk",
+                          initial=start // args.chunk, total=-(-len(prompts) // args.chunk)):
             end = start + args.chunk
             for i, o in enumerate(engine.generate(prompts[start:end], params[start:end], first_index=start)):
                 # (with --n a prompt's lines follow each other)
@@ -2829,6 +2904,7 @@ def main(argv=None):
             f.flush()
         os.fsync(f.fileno())
     os.replace(partial, args.out)
+    meta.unlink(missing_ok=True)
     print(f"wrote {len(prompts)} completions to {args.out}")
 
 

@@ -352,6 +352,71 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
+def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
+    """--resume after an interruption: the whole chunks in <out>.partial are kept (a torn record and the rest of its
+    chunk are done again), only the chunks after them are generated, and the file is the uninterrupted run's, byte
+    for byte. Other arguments or prompts, or no settings beside the file, are refused naming why."""
+    import json
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(json.dumps([3 + i, 4, 5 + i % 3]) for i in range(7)) + "\n")
+    args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "5", "--n", "2", "--chunk", "4",
+            "--max-model-len", "64", "--max-seqs", "4"]
+    ref = tmp_path / "ref.jsonl"
+    rollout_server.main([*args, "--out", str(ref)])
+    calls = []
+    real = rollout_server.Engine.generate
+
+    def stop_at(n):
+        def spy(self, prompts, *a, **kw):
+            calls.append(len(prompts))
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(self, prompts, *a, **kw)
+        return spy
+    out = tmp_path / "o.jsonl"
+    partial, meta = tmp_path / "o.jsonl.partial", tmp_path / "o.jsonl.partial.json"
+    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(3))
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main([*args, "--out", str(out)])
+    assert not out.exists() and partial.read_text().splitlines() == ref.read_text().splitlines()[:8]
+    with open(partial, "a") as f:  # the next chunk's first record, half written
+        f.write(ref.read_text().splitlines()[8] + "\n" + ref.read_text().splitlines()[9][:30])
+    for bad, why in ((["--temperature", "0.5"], "--temperature was 1.0, now 0.5"),
+                     (["--n", "1"], "--n was 2, now 1"), (["--model", "configs/mini.yaml"], "--model was")):
+        with pytest.raises(SystemExit, match=f"written by another request \\({why}"):
+            rollout_server.main([*args, *bad, "--out", str(out), "--resume"])
+    calls.clear()
+    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(0))
+    rollout_server.main([*args, "--out", str(out), "--resume"])
+    assert "resuming: 8 of 14 completions kept" in capsys.readouterr().out
+    assert calls == [4, 2] and out.read_bytes() == ref.read_bytes() and not partial.exists() and not meta.exists()
+    # prompts changed, settings lost, a record of another request: refused; no .partial: a fresh start
+    calls.clear()
+    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(2))
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main([*args, "--out", str(out)])
+    src.write_text(src.read_text() + "[9, 9]\n")
+    with pytest.raises(SystemExit, match="the prompts file has changed since"):
+        rollout_server.main([*args, "--out", str(out), "--resume"])
+    src.write_text("\n".join(src.read_text().splitlines()[:-1]) + "\n")
+    lines = partial.read_text().splitlines()
+    partial.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")
+    with pytest.raises(SystemExit, match="o.jsonl.partial:1 is not the completion of request 0"):
+        rollout_server.main([*args, "--out", str(out), "--resume"])
+    meta.unlink()
+    with pytest.raises(SystemExit, match="o.jsonl.partial.json is missing"):
+        rollout_server.main([*args, "--out", str(out), "--resume"])
+    partial.unlink()
+    out.unlink()
+    calls.clear()
+    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(0))
+    rollout_server.main([*args, "--out", str(out), "--resume"])
+    assert "no " in capsys.readouterr().out and calls == [4, 4, 4, 2] and out.read_bytes() == ref.read_bytes()
+    with pytest.raises(SystemExit):
+        rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--resume"])
+    assert "--resume continues a --prompts/--out run" in capsys.readouterr().err
+
+
 def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     """--bench: a warm-up of the same batch and lengths with other tokens (kernels compiled, the batch's graph
     captured, no prefix shared) before the timed run, whose throughput it prints."""
