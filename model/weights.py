@@ -367,9 +367,9 @@ def float_dtype(dtype, who: str) -> torch.dtype:
     "torch.bfloat16", or the configs' short "bf16" / "fp32" / "fp16"); anything else is a ValueError naming `who`."""
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
-        short = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        dtype = short.get(name, getattr(torch, name, None) if isinstance(getattr(torch, name, None), torch.dtype)
-                          else dtype)
+        named = getattr(torch, name, None)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            name, named if isinstance(named, torch.dtype) else dtype)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{who}: dtype {dtype!r}: torch.float32, torch.bfloat16 or torch.float16")
     return dtype
