@@ -170,18 +170,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     steps = torch.tensor(steps, device=dev, dtype=torch.int64)
     if fused and use_triton(logits) and not filtered:
         return gumbel_sample(logits, temps, seeds, steps)
-    logits = logits.float()
     if not filtered:
         return sample_plain(logits, temps, seeds, steps)
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    srt, order = scaled.sort(-1, descending=True)
-    keep = torch.arange(V, device=dev)[None] < torch.tensor([p.top_k if p.top_k > 0 else V for p in params],
-                                                            device=dev)[:, None]
-    probs = srt.softmax(-1)
-    keep &= (probs.cumsum(-1) - probs) < torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
-    return _pick(logits, greedy, scaled, masked, seeds, steps)
+    return sample_filtered(logits, temps, torch.tensor([p.top_k for p in params], device=dev),
+                           torch.tensor([p.top_p for p in params], device=dev), seeds, steps)
 
 
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
@@ -191,6 +183,22 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     return _pick(logits, greedy, scaled, scaled, seeds, steps)
+
+
+def sample_filtered(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    seeds: torch.Tensor, steps: torch.Tensor):
+    """`sample` with top-k / top-p, from tensors (B,) (top_k 0: off; top_p fp32). A decode step with such rows
+    runs it on the device behind itself (reading no host value: the step stays pipelined)."""
+    logits = logits.float()
+    V = logits.shape[1]
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    srt, order = scaled.sort(-1, descending=True)
+    keep = torch.arange(V, device=logits.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
+    probs = srt.softmax(-1)
+    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
+    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
+    return _pick(logits, greedy, scaled, masked, seeds, steps)
 
 
 def _pick(logits, greedy, scaled, masked, seeds, steps):
@@ -1560,18 +1568,19 @@ class Runner:
         return attn.project_out(out[None], None, None, oq)
 
     def _decode_eager(self, inp, feed: bool = True, every: bool = False):
-        """inp (7, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
-        float64 bits), and the row of the previous step whose sampled token is this row's id (-1: the id row).
-        -> logits (n, V) in the head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L,
-        k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and log-probs for rows without top-k /
-        top-p (kernels.sample on GPUs, sample_plain elsewhere). feed=False: the sampled tokens are not kept in
-        self.tok for the next step to feed (a capture's warm-up step, which may run while a step is in flight
-        whose tokens the next one feeds from there). every: no position past every_upto (_decode_attention)."""
+        """inp (9, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
+        float64 bits), the row of the previous step whose sampled token is this row's id (-1: the id row), top-k
+        (0: off) and top-p (as float64 bits; these two are read by decode after the step). -> logits (n, V) in the
+        head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L, k) uint8, tok (n,) and lp
+        (n,): rollout_server.sample's tokens and log-probs for rows without top-k / top-p (kernels.sample on GPUs,
+        sample_plain elsewhere). feed=False: the sampled tokens are not kept in self.tok for the next step to feed
+        (a capture's warm-up step, which may run while a step is in flight whose tokens the next one feeds from
+        there). every: no position past every_upto (_decode_attention)."""
         n, m, c = inp.shape[1], self.model, self.cache
         pos, slots = inp[1], inp[2]
         # the step's ids, embedded streams, RoPE rows (at the positions; at each compress window's first position,
         # by ratio), window-cache rows and block-table rows: one launch on GPUs
-        ids, x, ropes, wrows, tabs = step_inputs(inp, self.tok, m.embed.weight, m.cfg.hc_mult, m.rope_main.table,
+        ids, x, ropes, wrows, tabs = step_inputs(inp[:7], self.tok, m.embed.weight, m.cfg.hc_mult, m.rope_main.table,
                                                  m.rope_compress.table, self.offsets, self.windows,
                                                  list(c.tables.values()))
         tabs = dict(zip(c.tables, tabs))
@@ -1607,7 +1616,7 @@ class Runner:
         self.parity ^= 1
         h = self.staging.get((n, self.parity))
         if h is None:
-            h = self.staging[n, self.parity] = torch.empty(7, n, dtype=torch.int64,
+            h = self.staging[n, self.parity] = torch.empty(9, n, dtype=torch.int64,
                                                            pin_memory=self.cache.device.type == "cuda")
         a = h.numpy()
         a[:, B:] = 0
@@ -1620,6 +1629,8 @@ class Runner:
         a[3, :B] = [s.seed for s in seqs]
         a[4, :B] = [len(s.tokens) + g for s, g in zip(seqs, lags)]
         a[5, :B].view(np.float64)[:] = [s.params.temperature for s in seqs]
+        a[7, :B] = [s.params.top_k for s in seqs]
+        a[8, :B].view(np.float64)[:] = [s.params.top_p for s in seqs]
         if src is not None:
             a[6, :B] = src
         return h
@@ -1636,15 +1647,24 @@ class Runner:
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
         host = {}
         if bucket is None:
-            out = self._decode_eager(h[:, :B].to(self.cache.device, non_blocking=True), every=every)
+            inp = h[:, :B].to(self.cache.device, non_blocking=True)
+            out = self._decode_eager(inp, every=every)
         else:
             g = self.graphs.get((bucket, every)) or self._capture(bucket, every)
-            g["inp"].copy_(h[:, :bucket], non_blocking=True)
+            inp = g["inp"]
+            inp.copy_(h[:, :bucket], non_blocking=True)
             g["graph"].replay()
             p, self.replays = self.replays % 2, self.replays + 1
             out = g["out"]
             host = {k: host_rows(t, p, out[k])[:B] for k, t in g["host"].items()}
         res = {k: v[:B] for k, v in out.items()}
+        if any(s.params.filtered for s in seqs):  # top-k / top-p rows: sampled again behind the step, on the
+            # device (the step stays pipelined), over its logits; the tokens the next step feeds are these
+            f64 = inp[:, :B].view(torch.float64)
+            res["tok"], res["lp"] = sample_filtered(res["logits"], f64[5].float(), inp[7, :B], f64[8].float(),
+                                                    inp[3, :B], inp[4, :B])
+            self.tok[:B].copy_(res["tok"])
+            host = {k: v for k, v in host.items() if k not in ("tok", "lp")}
         return {**res, "host": host} if host else res
 
     def fetch_start(self, *ts: torch.Tensor):
@@ -1682,7 +1702,7 @@ class Runner:
 
     def _capture(self, bucket: int, every: bool):
         c, dev = self.cache, self.cache.device
-        inp = torch.zeros(7, bucket, dtype=torch.int64, device=dev)
+        inp = torch.zeros(9, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
         # compiles the Triton kernels and warms the allocator outside the capture; feed=False: a bucket's first step
         # may come while the step before it is in flight, whose tokens it feeds from self.tok (before, the warm-up
@@ -1891,9 +1911,8 @@ class Engine:
     def _decode_step(self, running: list[Sequence], waiting: deque):
         """One decode step's tokens. Pipelined: the step after it goes to the device first (every sequence that
         may continue, at one position further, fed its token on the device), then this one's tokens are read.
-        A step whose blocks would need a preemption, or with top-k / top-p sampling (host-side), waits for the
-        step in flight and runs alone."""
-        if not self.pipeline or any(s.params.filtered for s in running):
+        A step whose blocks would need a preemption waits for the step in flight and runs alone."""
+        if not self.pipeline:
             self._drain(running)
             if running:
                 self._decode_alone(running, waiting)
@@ -1990,12 +2009,7 @@ class Engine:
         seqs = list(running)
         out = self.runner.decode(seqs)
         self.stats["decode_steps"] += 1
-        records = self._outputs(out, self.records)
-        if not any(s.params.filtered for s in seqs):  # sampled inside the step
-            tok, lp, *records = self.runner.fetch(*self._outputs(out, ("tok", "lp")), *records)
-        else:
-            records = self.runner.fetch(*records)
-            tok, lp = (t.cpu().numpy() for t in self._draw(seqs, out["logits"]))
+        tok, lp, *records = self.runner.fetch(*self._outputs(out, ("tok", "lp", *self.records)))
         self._advance(seqs, running, tok, lp, *records)
 
     def _draw(self, seqs: list[Sequence], logits):

@@ -775,6 +775,30 @@ def test_prefill_attention(mode):
                                                  **{k: v[:40] if k != "entries" else v for k, v in kw.items()})) < 1e-2
 
 
+def test_engine_top_k_top_p_steps_stay_pipelined():
+    """Top-k / top-p rows beside plain sampled and greedy ones: the decode steps sample them behind the graph on
+    the device (the step's own host copies of tokens and log-probs set aside), no step runs alone, and graphs
+    and eager steps give the same bits, with and without the step's zero-copy outputs."""
+    from rollout_server import Engine, SamplingParams
+    m = _engine_model()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (5, 33, 70, 12)]
+    sp = [SamplingParams(temperature=0.9, top_k=20, max_tokens=40, seed=1, ignore_eos=True),
+          SamplingParams(temperature=1.0, max_tokens=50, seed=2, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.7, max_tokens=30, seed=3, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=45, ignore_eos=True)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "_decode_alone", lambda *a: pytest.fail("a step ran alone"))
+        outs = {}
+        for name, kw, env in [("graphs", {}, "1"), ("eager", dict(cuda_graphs=False), "1"), ("copies", {}, "0")]:
+            mp.setenv("ENGINE_ZERO_COPY", env)
+            outs[name] = Engine(m, fp8=True, dtype=torch.bfloat16, max_model_len=512, **kw).generate(prompts, sp)
+    for other in ("eager", "copies"):
+        for a, b in zip(outs["graphs"], outs[other]):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, other
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs["graphs"], sp))
+
+
 def test_engine_steps_that_skip_the_indexer():
     """Decode steps whose positions all lie within Runner.every_upto (18 here: no CSA layer past the indexer's
     top-k of 4 entries) read every entry without the indexer's query, scores and top-k, in graphs of their own

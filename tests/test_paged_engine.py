@@ -602,11 +602,14 @@ def test_stop_tokens_eos_and_limits(model):
 
 @pytest.mark.parametrize("kw", [dict(max_seqs=3), dict(num_blocks=8, block_entries=4, max_seqs=4)],
                          ids=["joins", "preemption"])
-def test_pipelined_decode_equals_one_step_at_a_time(model, kw):
+def test_pipelined_decode_equals_one_step_at_a_time(model, kw, monkeypatch):
     """The pipelined decode loop (each step launched before the last one's tokens are read, its inputs taken from
     them on the device) against the one-step-at-a-time twin: sequences that stop on a token or on their length
     while the next step is in flight, others joining as they leave, preemption, and a top-k request mid-run
-    (which makes the steps it is in wait)."""
+    (sampled inside the steps it is in, which stay pipelined)."""
+    alone = []
+    real = Engine._decode_alone
+    monkeypatch.setattr(Engine, "_decode_alone", lambda self, *a: (alone.append(self.pipeline), real(self, *a))[1])
     prompts = _prompts([4, 9, 17, 2, 30, 6], 7)
     free = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=96,
                   pipeline=False).generate(prompts[:1], SamplingParams(temperature=0.9, seed=3, max_tokens=30))[0]
@@ -622,6 +625,7 @@ def test_pipelined_decode_equals_one_step_at_a_time(model, kw):
     for a, b in zip(*outs):  # log-probs to 1e-4: the two loops batch different rows together
         _same(a, b)
     assert outs[0][0].finish_reason == "stop" and len(outs[0][0].token_ids) == free.token_ids.index(stop) + 1 > 1
+    assert alone and not any(alone)  # the pipelined engine never ran a step alone (the twin ran every one so)
 
 
 FP8_KINDS = pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
