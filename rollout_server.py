@@ -162,7 +162,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     """logits (B, V) (taken in fp32) -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits /
     temperature. Without top-k / top-p, GPUs take kernels.sample.gumbel_sample (one pass; same tokens);
     fused=False forces this torch path, its twin."""
-    B, V = logits.shape
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
     filtered = any(p.filtered for p in params)
@@ -2722,11 +2721,12 @@ def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple
         old = json.loads(meta.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"--resume: {meta}: unreadable ({e})") from None
+    if not isinstance(old, dict):
+        raise SystemExit(f"--resume: {meta}: not a run's settings")
     for k in settings:
-        if not isinstance(old, dict) or old.get(k) != settings[k]:
-            was = old.get(k) if isinstance(old, dict) else None
+        if old.get(k) != settings[k]:
             what = ("the prompts file has changed since" if k == "prompts_sha256" else
-                    f"--{k.replace('_', '-')} was {was!r}, now {settings[k]!r}")
+                    f"--{k.replace('_', '-')} was {old.get(k)!r}, now {settings[k]!r}")
             raise SystemExit(f"--resume: {partial} was written by another request ({what}): give the same arguments "
                              f"and prompts, or run without --resume")
     data = partial.read_bytes()
