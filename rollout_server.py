@@ -2635,15 +2635,15 @@ _LINE_FIELDS = {
 MAX_MODEL_LEN = 8192  # the CLI's largest default --max-model-len
 
 
-def read_prompts(path: Path, tokenizer, vocab: int,
-                 base: SamplingParams) -> list[tuple[list[int], SamplingParams, int]]:
+def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
+                 data: bytes | None = None) -> list[tuple[list[int], SamplingParams, int]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
-    -> (token ids, sampling parameters, line number) a prompt."""
+    data: the file's bytes, if already read. -> (token ids, sampling parameters, line number) a prompt."""
     out = []
     from model.tasks import json_line, jsonl_lines
     try:
-        lines = jsonl_lines(path)
+        lines = jsonl_lines(path, data)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     for n, line in enumerate(lines, 1):
@@ -2700,12 +2700,13 @@ _RUN_ARGS = ("model", "tokenizer", "chat_template", "bos_token", "bf16", "fp8_sc
              "temperature", "top_p", "top_k", "seed", "n", "chunk", "index_entries", "no_routed_experts")
 
 
-def run_settings(args) -> dict:
-    """What a run's output depends on (and --resume checks): those arguments, and the prompts file's bytes."""
+def run_settings(args, prompts: bytes) -> dict:
+    """What a run's output depends on (and --resume checks): those arguments, and the prompts file's bytes (the
+    ones read_prompts parsed: read once)."""
     import hashlib
     s = {k: getattr(args, k) for k in _RUN_ARGS}
     s["model"] = str(Path(args.model).resolve())
-    s["prompts_sha256"] = hashlib.sha256(args.prompts.read_bytes()).hexdigest()
+    s["prompts_sha256"] = hashlib.sha256(prompts).hexdigest()
     return s
 
 
@@ -2842,13 +2843,17 @@ def main(argv=None):
             ap.error(f"--tokenizer / --chat-template / --bos-token: {e}")
     start = 0
     if not args.bench:
-        lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp) for _ in range(args.n)]
+        try:
+            raw = args.prompts.read_bytes()
+        except OSError as e:
+            ap.error(f"--prompts {args.prompts}: {e}")
+        lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp, raw) for _ in range(args.n)]
         # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one
         # (beside it <out>.partial.json, the run's settings): an interrupted run leaves no file that looks
         # complete, an earlier --out stays as it was, and --resume goes on from the last whole chunk
         partial = args.out.with_name(args.out.name + ".partial")
         meta = args.out.with_name(args.out.name + ".partial.json")
-        settings = run_settings(args)
+        settings = run_settings(args, raw)
         if args.resume and partial.exists():
             start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
                                                            enumerate(lines)], args.chunk)

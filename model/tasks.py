@@ -28,11 +28,12 @@ class Item:
     answer: str
 
 
-def jsonl_lines(path: Path) -> list[str]:
-    """A JSONL file's lines, split on newlines only (str.splitlines also splits on U+2028, U+2029 and U+0085, which
-    JSON strings may hold), or a ValueError naming a file that is not UTF-8 text."""
+def jsonl_lines(path: Path, data: bytes | None = None) -> list[str]:
+    """A JSONL file's lines (of data, its bytes already read, if given), split on newlines only (str.splitlines
+    also splits on U+2028, U+2029 and U+0085, which JSON strings may hold), or a ValueError naming a file that is
+    not UTF-8 text."""
     try:
-        return path.read_text(encoding="utf-8").split("\n")
+        return (path.read_bytes() if data is None else data).decode("utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
