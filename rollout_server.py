@@ -924,6 +924,14 @@ def outside(ids, vocab: int) -> int | None:
     return next((t for t in ids if not 0 <= t < vocab), None)
 
 
+def either_params(params, sampling_params):
+    """generate's sampling parameters given under either name (not both); neither: SamplingParams()."""
+    if params is not None and sampling_params is not None:
+        raise TypeError("generate: params and sampling_params are the same argument: give one")
+    p = params if params is not None else sampling_params
+    return SamplingParams() if p is None else p
+
+
 def check_prompts(prompts, params, vocab: int, first_index=0) -> tuple[list[list[int]], list[SamplingParams]]:
     """generate's arguments checked, a bad one named: -> (the prompts as lists of Python ints, one SamplingParams
     a prompt). Prompts: a list (or 2-D tensor / array) of token id sequences."""
@@ -1050,10 +1058,12 @@ class SimpleEngine:
             s.logprobs.append(l)
             s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_ids)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 first_index: int = 0) -> list[Output]:
-        """first_index: the index of prompts[0] in a larger request (Engine.generate)."""
-        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size, first_index)
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 first_index: int = 0, *, sampling_params=None) -> list[Output]:
+        """first_index: the index of prompts[0] in a larger request (Engine.generate). As Engine.generate:
+        sampling_params is params' other name, none is SamplingParams()'s defaults."""
+        prompts, params = check_prompts(prompts, either_params(params, sampling_params), self.cfg.vocab_size,
+                                        first_index)
         seqs = [SimpleSeq(first_index + i, p, params[i], self.model, self.device, self.dtype)
                 for i, p in enumerate(prompts)]
         same: dict[tuple, list[SimpleSeq]] = {}
@@ -1792,11 +1802,14 @@ class Engine:
         update_weights(self.model, named_tensors)
 
     # -- scheduling -------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 first_index: int = 0) -> list[Output]:
-        """first_index: the index of prompts[0] in a larger request sent in pieces (the CLI's chunks). Sequence i
-        samples with (its seed, first_index + i), so the pieces give what one call would."""
-        prompts, params = check_prompts(prompts, params, self.cfg.vocab_size, first_index)
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 first_index: int = 0, *, sampling_params=None) -> list[Output]:
+        """params: one SamplingParams for every prompt or one a prompt (sampling_params, vLLM's name for it, works
+        too; neither: SamplingParams()'s defaults). first_index: the index of prompts[0] in a larger request sent in
+        pieces (the CLI's chunks). Sequence i samples with (its seed, first_index + i), so the pieces give what one
+        call would."""
+        prompts, params = check_prompts(prompts, either_params(params, sampling_params), self.cfg.vocab_size,
+                                        first_index)
         pool = {k: len(a.ref) - 1 for k, a in self.cache.alloc.items()}  # (block 0 is scratch)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:

@@ -738,8 +738,14 @@ def test_generate_checks_its_arguments_again(model):
             eng.generate(p, sp)
     with pytest.raises(TypeError, match="neither a SamplingParams nor a list"):
         eng.generate(p, {"temperature": 0})
-    with pytest.raises(TypeError, match="neither a SamplingParams nor a list"):
-        eng.generate(p, None)
+    # no parameters: SamplingParams()'s defaults; sampling_params= (vLLM's name) is the same argument
+    simple = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")
+    for e in (eng, simple):
+        want = e.generate(p, SamplingParams())[0].token_ids
+        assert e.generate(p)[0].token_ids == want and e.generate(p, None)[0].token_ids == want
+        assert e.generate(p, sampling_params=GREEDY)[0].token_ids == e.generate(p, GREEDY)[0].token_ids
+        with pytest.raises(TypeError, match="params and sampling_params are the same argument"):
+            e.generate(p, GREEDY, sampling_params=GREEDY)
     with pytest.raises(TypeError, match="position 1: token id True"):
         eng.generate([[3, True, 4]], GREEDY)
     for fi in (2.5, None, -1, True):
