@@ -117,7 +117,7 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """Top-k or top-p: the torch sampler's path (the fused one samples the whole vocabulary)."""
+        """Top-k or top-p: drawn above a threshold (filter_threshold), sampled again behind a decode step."""
         return self.top_k > 0 or self.top_p < 1.0
 
 
@@ -160,8 +160,8 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, V: int) -> torch.Tens
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], steps: list[int],
            fused: bool = True):
     """logits (B, V) (taken in fp32) -> tokens (B,) long, log-probs (B,) fp32 of those tokens under logits /
-    temperature. Without top-k / top-p, GPUs take kernels.sample.gumbel_sample (one pass; same tokens);
-    fused=False forces this torch path, its twin."""
+    temperature (before any top-k / top-p). GPUs draw with kernels.sample.gumbel_sample (one pass; same tokens);
+    fused=False forces the torch path, its twin."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev)
     filtered = any(p.filtered for p in params)
@@ -172,7 +172,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if not filtered:
         return sample_plain(logits, temps, seeds, steps)
     return sample_filtered(logits, temps, torch.tensor([p.top_k for p in params], device=dev),
-                           torch.tensor([p.top_p for p in params], device=dev), seeds, steps)
+                           torch.tensor([p.top_p for p in params], device=dev), seeds, steps,
+                           filter_candidates(params), fused)
 
 
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
@@ -184,20 +185,45 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     return _pick(logits, greedy, scaled, scaled, seeds, steps)
 
 
+def filter_candidates(params: list[SamplingParams]) -> int | None:
+    """How many of each row's largest logits filter_threshold must rank for these rows: the largest top_k when
+    every filtered row has one (its top-p can only keep fewer); None (the whole vocabulary, a sort) when a row
+    filters by top-p alone. From the host's parameters: nothing waits for the device."""
+    rows = [p for p in params if p.filtered]
+    return max(p.top_k for p in rows) if rows and all(p.top_k > 0 for p in rows) else None
+
+
+def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     candidates: int | None = None) -> torch.Tensor:
+    """scaled (B, V) fp32 logits / temperature; top_k (B,) (0: off), top_p (B,) fp32 -> (B,) fp32: the smallest
+    scaled logit each row keeps (-inf: a row without top-k / top-p). A row keeps its largest logits, at most
+    top_k of them, and with top_p < 1 only while the probability mass of those before each is below top_p (at
+    least the largest); a token tied with the last one kept is kept too. candidates: filter_candidates' count (torch.topk of that many
+    instead of a sort of the vocabulary: the same threshold)."""
+    B, V = scaled.shape
+    K = V if candidates is None else min(candidates, V)
+    vals = scaled.topk(K, -1).values if K < V else scaled.sort(-1, descending=True).values
+    probs = (vals - scaled.logsumexp(-1, keepdim=True)).exp()
+    keep = torch.arange(K, device=scaled.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
+    keep &= ((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # (1: off, though fp32 sums
+    # may reach 1 before the tail)
+    thr = vals.gather(-1, (keep.sum(-1, keepdim=True) - 1).clamp(min=0))[:, 0]
+    return torch.where((top_k > 0) | (top_p < 1), thr, float("-inf"))
+
+
 def sample_filtered(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    seeds: torch.Tensor, steps: torch.Tensor):
-    """`sample` with top-k / top-p, from tensors (B,) (top_k 0: off; top_p fp32). A decode step with such rows
-    runs it on the device behind itself (reading no host value: the step stays pipelined)."""
-    logits = logits.float()
-    V = logits.shape[1]
+                    seeds: torch.Tensor, steps: torch.Tensor, candidates: int | None = None, fused: bool = True):
+    """`sample` with top-k / top-p, from tensors (B,) (top_k 0: off; top_p fp32): the Gumbel-max over each row's
+    tokens at or above filter_threshold (GPUs: gumbel_sample's one pass given the thresholds; fused=False, or
+    CPUs: the torch twin). A decode step with such rows runs it on the device behind itself (reading no host
+    value: the step stays pipelined)."""
+    lf = logits.float()
     greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    srt, order = scaled.sort(-1, descending=True)
-    keep = torch.arange(V, device=logits.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
-    probs = srt.softmax(-1)
-    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
-    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
-    return _pick(logits, greedy, scaled, masked, seeds, steps)
+    scaled = lf / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    thr = filter_threshold(scaled, top_k, top_p, candidates)
+    if fused and use_triton(logits):
+        return gumbel_sample(logits, temps, seeds, steps, thr=thr)
+    return _pick(lf, greedy, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds, steps)
 
 
 def _pick(logits, greedy, scaled, masked, seeds, steps):
@@ -1671,7 +1697,8 @@ class Runner:
             # device (the step stays pipelined), over its logits; the tokens the next step feeds are these
             f64 = inp[:, :B].view(torch.float64)
             res["tok"], res["lp"] = sample_filtered(res["logits"], f64[5].float(), inp[7, :B], f64[8].float(),
-                                                    inp[3, :B], inp[4, :B])
+                                                    inp[3, :B], inp[4, :B],
+                                                    filter_candidates([s.params for s in seqs]))
             self.tok[:B].copy_(res["tok"])
             host = {k: v for k, v in host.items() if k not in ("tok", "lp")}
         return {**res, "host": host} if host else res

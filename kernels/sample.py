@@ -1,10 +1,11 @@
 """The sampler's one pass over the vocabulary: temperature, counter-based Gumbel noise, argmax, log-prob.
 
-    tok, lp = gumbel_sample(logits, temps, seeds, steps)
+    tok, lp = gumbel_sample(logits, temps, seeds, steps, thr=None)
         logits (B, V) fp32 / bf16 / fp16 (read in its dtype, computed in fp32); temps (B,) fp32 (0 = greedy);
-        seeds, steps (B,) int64
-        -> tok (B,) int64 = argmax_v(logits / t + g(seed, step, v)) (greedy: argmax logits),
-           lp (B,) fp32 = log_softmax(logits / t)[tok]
+        seeds, steps (B,) int64; thr (B,) fp32 or None: each row's top-k / top-p threshold on logits / t
+        (rollout_server.filter_threshold; -inf: none)
+        -> tok (B,) int64 = argmax_v(logits / t + g(seed, step, v)) over the v with logits / t >= thr (greedy:
+           argmax logits, unfiltered), lp (B,) fp32 = log_softmax(logits / t)[tok] (the unfiltered distribution)
 
 g is rollout_server.gumbel_noise, recomputed in registers (the same int64 hash, IEEE division and libdevice log,
 so the tokens are bit-identical to the torch twin, rollout_server.sample, which materializes (B, V) noise through
@@ -35,12 +36,14 @@ if triton is not None:
 
     @triton.jit
     def _sample_part_kernel(LOGITS, TEMP, SEEDS, STEPS, PART, V, stride, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False, THR=None):
         pdl_wait(PDL)
         b, sp = tl.program_id(0), tl.program_id(1)
         t = tl.load(TEMP + b).to(tl.float32)  # (fp64 temperatures rounded here as torch's .float() rounds them)
         greedy = t == 0
         t = tl.where(greedy, 1.0, t)
+        if THR is not None:
+            thr = tl.load(THR + b)
         seed = tl.load(SEEDS + b)
         # of the int64 seed and step only the low 32 bits of each word reach the hash (the twin masks them)
         step = (tl.load(STEPS + b) & 0xFFFFFFFF).to(tl.uint32)
@@ -62,7 +65,10 @@ if triton is not None:
                 g = -libdevice.log(-libdevice.log(u))
             else:
                 g = -tl.log(-tl.log(u))
-            val = tl.where(mv, tl.where(greedy, s, s + g), float("-inf"))
+            noisy = s + g
+            if THR is not None:  # top-k / top-p: the tokens below the row's threshold are never drawn
+                noisy = tl.where(s >= thr, noisy, float("-inf"))
+            val = tl.where(mv, tl.where(greedy, s, noisy), float("-inf"))
             cmax, ci = tl.max(val, 0, return_indices=True, return_indices_tie_break_left=True)
             take = cmax > best
             best_s = tl.where(take, tl.sum(tl.where(v - c0 == ci, s, 0.0), 0), best_s)
@@ -113,10 +119,11 @@ def _slices(B: int, V: int, block: int, device) -> int:
 
 
 def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  block: int = 2048, split: int | None = None, also: torch.Tensor | None = None):
+                  block: int = 2048, split: int | None = None, also: torch.Tensor | None = None,
+                  thr: torch.Tensor | None = None):
     """temps fp32 or fp64 (rounded to fp32 in the kernel, as .float() would: no conversion launch). also: an int64
     tensor of at least B elements whose first B the tokens are written into as well (the engine's next-step feed:
-    a copy launch fewer)."""
+    a copy launch fewer). thr: (B,) fp32 thresholds (see the module docstring)."""
     B, V = logits.shape
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and V < 2 ** 24
     split = split or _slices(B, V, block, logits.device)
@@ -127,9 +134,11 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     if B:
         logits = logits.contiguous()
         temps = (temps if temps.dtype == torch.float64 else temps.float()).contiguous()
+        assert thr is None or (thr.dtype == torch.float32 and thr.shape == (B,)), \
+            f"gumbel_sample: thr= {thr.dtype} {tuple(thr.shape)} for {B} rows"
         _sample_part_kernel[(B, split)](logits, temps, seeds, steps, part, V, logits.stride(0), SPLIT=split,
                                         CHUNK=chunk, BLOCK=block, LIBDEVICE=logits.is_cuda,
-                                        num_warps=8, **pdl(logits))
+                                        num_warps=8, THR=None if thr is None else thr.contiguous(), **pdl(logits))
         assert also is None or (also.dtype == torch.int64 and also.is_contiguous() and also.numel() >= B), \
             f"gumbel_sample: also= {also.dtype} of {also.numel()} for {B} rows"
         _sample_combine_kernel[(B,)](part, tok, lp, SPLIT=split, SP2=pow2(split), ALSO=also, **pdl(part))

@@ -53,15 +53,25 @@ def compress_decode_case(device, ratio: int, overlap: bool, hd: int, rd: int, po
     return out
 
 
-def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32) -> tuple[int, float]:
+SAMPLE_FILTERS = {"plain": [{}],
+                  # every filtered row with a top-k: filter_threshold's torch.topk of the largest k (some rows plain)
+                  "top_k": [{"top_k": 5}, {}, {"top_k": 40, "top_p": 0.7}, {"top_k": 1}],
+                  # a row with top-p alone: the sort of the vocabulary
+                  "top_p": [{"top_p": 0.9}, {"top_k": 7}, {}, {"top_p": 0.3, "top_k": 50}, {"top_p": 1e-6}]}
+
+
+def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32,
+                filters: str = "plain") -> tuple[int, float]:
     """rollout_server.sample's one-pass kernel against its torch path, greedy rows and temperatures mixed, logits
-    in dtype (the kernel reads bf16 as it is, the torch path in fp32). -> (rows whose token differs, max
-    log-prob difference)."""
+    in dtype (the kernel reads bf16 as it is, the torch path in fp32); filters: SAMPLE_FILTERS' top-k / top-p rows
+    (the kernel given filter_threshold's thresholds). -> (rows whose token differs, max log-prob difference)."""
     from rollout_server import SamplingParams, sample
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, V, generator=g) * 3).to(device, dtype)
     logits[0, V // 3] = 100.0  # row 0 is greedy: a clear winner
-    params = [SamplingParams(temperature=t) for t in ([0.0, 1.0, 0.7, 1.3] * B)[:B]]
+    extra = SAMPLE_FILTERS[filters]
+    params = [SamplingParams(temperature=t, **extra[i % len(extra)])
+              for i, t in enumerate(([0.0, 1.0, 0.7, 1.3] * B)[:B])]
     seeds = torch.randint(0, 2 ** 62, (B,), generator=g).tolist()
     steps = list(range(3, 3 + B))
     t1, l1 = sample(logits, params, seeds, steps)

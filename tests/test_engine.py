@@ -55,6 +55,44 @@ def test_shared_prefixes_and_stops(model):
     assert cut.token_ids == alone.token_ids[:first + 1] and cut.finish_reason == "stop"
 
 
+def test_filter_threshold_keeps_what_the_sorted_definition_keeps():
+    """filter_threshold against top-k / top-p's definition over each row sorted: its largest logits, at most top_k,
+    while the probability mass before each is below top_p. torch.topk of filter_candidates' count gives the
+    thresholds the sort gives; a token tied with the last one kept is kept; the torch twin draws kept tokens only."""
+    from rollout_server import filter_candidates, filter_threshold, sample_filtered
+    g = torch.Generator().manual_seed(0)
+    B, V = 64, 500
+    scaled = torch.randn(B, V, generator=g) * torch.rand(B, 1, generator=g) * 6
+    top_k = torch.randint(0, 60, (B,), generator=g)
+    top_p = torch.where(torch.rand(B, generator=g) < 0.5, torch.rand(B, generator=g), torch.ones(B))
+    top_k[0], top_p[0] = 0, 1.0  # a row without either
+    thr = filter_threshold(scaled, top_k, top_p)
+    srt, order = scaled.sort(-1, descending=True)
+    probs = srt.softmax(-1)
+    keep = (torch.arange(V) < torch.where(top_k > 0, top_k, V)[:, None]) & \
+        (((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p[:, None] == 1))  # (top_p 1: off)
+    assert torch.equal(scaled >= thr[:, None], torch.zeros_like(keep).scatter(-1, order, keep))
+    filtered = (top_k > 0) | (top_p < 1)
+    assert (thr[~filtered] == float("-inf")).all() and 0 < int(keep.sum(-1).min())
+    assert int(keep[filtered].sum(-1).max()) < V and int(keep[filtered].sum(-1).min()) == 1
+    # every filtered row with a top-k: the largest top_k of them ranked by torch.topk, the same thresholds
+    k = top_k.clamp(min=1)
+    params = [SamplingParams(top_k=int(a), top_p=float(b)) for a, b in zip(k, top_p)]
+    assert filter_candidates(params) == int(k.max()) < V
+    assert torch.equal(filter_threshold(scaled, k, top_p, filter_candidates(params)), filter_threshold(scaled, k, top_p))
+    assert filter_candidates(params + [SamplingParams(top_p=0.5)]) is None  # top-p alone: the sort
+    assert filter_candidates([SamplingParams(), SamplingParams(top_k=3)]) == 3  # (rows without a filter: ignored)
+    # ties at the edge: top-k 2 of (5, 3, 3, 3, 1) keeps the three 3s
+    tied = torch.tensor([[5.0, 3.0, 1.0, 3.0, 3.0]])
+    assert filter_threshold(tied, torch.tensor([2]), torch.tensor([1.0])).item() == 3.0
+    # the twin's draws (30 steps a row) are kept tokens, greedy rows aside
+    temps = torch.where(torch.arange(B) % 4 == 0, 0.0, 1.0)
+    for step in range(30):
+        tok, _ = sample_filtered(scaled, temps, top_k, top_p, torch.arange(B), torch.full((B,), step), fused=False)
+        kept = (scaled >= thr[:, None]).gather(-1, tok[:, None])[:, 0]
+        assert kept[temps > 0].all()
+
+
 def test_sampling_seeds_top_k_top_p(model):
     eng = SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")
     prompts = _prompts([6, 6, 11], seed=3)

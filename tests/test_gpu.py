@@ -561,10 +561,12 @@ def test_route_kernel(M, D, E, k, func, hashed):
                                      (64, torch.bfloat16)])
 def test_gumbel_sample_kernel(B, dtype):
     """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log), from
-    fp32 logits and from the decode step's bf16 ones."""
+    fp32 logits and from the decode step's bf16 ones; with top-k / top-p rows too (the kernel given the
+    thresholds of filter_threshold, from torch.topk or from the sort)."""
     from tests.kernel_cases import sample_case
-    bad, dlp = sample_case("cuda", B, 129280, dtype=dtype)
-    assert bad == 0 and dlp < 1e-4, (bad, dlp)
+    for filters in ("plain", "top_k", "top_p"):
+        bad, dlp = sample_case("cuda", B, 129280, dtype=dtype, filters=filters)
+        assert bad == 0 and dlp < 1e-4, (filters, bad, dlp)
     # also=: the tokens written a second time, into the first B elements of a longer buffer (the engine's feed)
     from kernels.sample import gumbel_sample
     logits = torch.randn(B, 1000, device="cuda").to(dtype)

@@ -538,8 +538,9 @@ INTERPRETED = textwrap.dedent("""
     from tests.kernel_cases import sample_case
     for B, V, dt in ((5, 1000, torch.float32), (3, 5000, torch.float32), (2, 50, torch.float32),
                      (4, 3000, torch.bfloat16)):
-        bad, dlp = sample_case("cpu", B, V, dtype=dt)
-        assert bad == 0 and dlp < 1e-4, (B, V, dt, bad, dlp)
+        for filters in ("plain", "top_k", "top_p"):
+            bad, dlp = sample_case("cpu", B, V, dtype=dt, filters=filters)
+            assert bad == 0 and dlp < 1e-4, (B, V, dt, filters, bad, dlp)
     from tests.kernel_cases import to_host_case
     assert to_host_case("cpu")
     from tests.kernel_cases import STEP_INPUTS_CASES, step_inputs_case
