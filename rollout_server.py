@@ -198,8 +198,8 @@ def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     """scaled (B, V) fp32 logits / temperature; top_k (B,) (0: off), top_p (B,) fp32 -> (B,) fp32: the smallest
     scaled logit each row keeps (-inf: a row without top-k / top-p). A row keeps its largest logits, at most
     top_k of them, and with top_p < 1 only while the probability mass of those before each is below top_p (at
-    least the largest); a token tied with the last one kept is kept too. candidates: filter_candidates' count (torch.topk of that many
-    instead of a sort of the vocabulary: the same threshold)."""
+    least the largest); a token tied with the last one kept is kept too. candidates: filter_candidates' count
+    (torch.topk of that many instead of a sort of the vocabulary: the same threshold)."""
     B, V = scaled.shape
     K = V if candidates is None else min(candidates, V)
     vals = scaled.topk(K, -1).values if K < V else scaled.sort(-1, descending=True).values

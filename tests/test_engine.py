@@ -79,7 +79,8 @@ def test_filter_threshold_keeps_what_the_sorted_definition_keeps():
     k = top_k.clamp(min=1)
     params = [SamplingParams(top_k=int(a), top_p=float(b)) for a, b in zip(k, top_p)]
     assert filter_candidates(params) == int(k.max()) < V
-    assert torch.equal(filter_threshold(scaled, k, top_p, filter_candidates(params)), filter_threshold(scaled, k, top_p))
+    assert torch.equal(filter_threshold(scaled, k, top_p, filter_candidates(params)),
+                       filter_threshold(scaled, k, top_p))
     assert filter_candidates(params + [SamplingParams(top_p=0.5)]) is None  # top-p alone: the sort
     assert filter_candidates([SamplingParams(), SamplingParams(top_k=3)]) == 3  # (rows without a filter: ignored)
     # ties at the edge: top-k 2 of (5, 3, 3, 3, 1) keeps the three 3s
