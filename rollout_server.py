@@ -58,7 +58,7 @@ from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
                               small_linear, use_triton)
 from kernels.moe import fused_moe, moe_gemv_early, moe_kernels_take
-from kernels.sample import gumbel_sample, host_rows, to_host
+from kernels.sample import gumbel_sample, host_rows, threshold, to_host
 from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
@@ -194,15 +194,18 @@ def filter_candidates(params: list[SamplingParams]) -> int | None:
 
 
 def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     candidates: int | None = None) -> torch.Tensor:
+                     candidates: int | None = None, fused: bool = True) -> torch.Tensor:
     """scaled (B, V) fp32 logits / temperature; top_k (B,) (0: off), top_p (B,) fp32 -> (B,) fp32: the smallest
     scaled logit each row keeps (-inf: a row without top-k / top-p). A row keeps its largest logits, at most
     top_k of them, and with top_p < 1 only while the probability mass of those before each is below top_p (at
     least the largest); a token tied with the last one kept is kept too. candidates: filter_candidates' count
-    (torch.topk of that many instead of a sort of the vocabulary: the same threshold)."""
+    (torch.topk of that many instead of a sort of the vocabulary: the same threshold). GPUs scan the ranked
+    logits in one launch (kernels.sample.threshold; fused=False: this torch twin)."""
     B, V = scaled.shape
     K = V if candidates is None else min(candidates, V)
     vals = scaled.topk(K, -1).values if K < V else scaled.sort(-1, descending=True).values
+    if fused and use_triton(scaled):
+        return threshold(scaled, vals, top_k, top_p)
     probs = (vals - scaled.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(K, device=scaled.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
     keep &= ((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # (1: off, though fp32 sums
@@ -220,7 +223,7 @@ def sample_filtered(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
     lf = logits.float()
     greedy = temps == 0
     scaled = lf / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    thr = filter_threshold(scaled, top_k, top_p, candidates)
+    thr = filter_threshold(scaled, top_k, top_p, candidates, fused)
     if fused and use_triton(logits):
         return gumbel_sample(logits, temps, seeds, steps, thr=thr)
     return _pick(lf, greedy, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds, steps)

@@ -146,6 +146,62 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
+# top-k / top-p: each row's threshold from its largest logits, sorted
+
+if triton is not None:
+    @triton.jit
+    def _threshold_kernel(SCALED, VALS, TOPK, TOPP, THR, V, K, stride_s, stride_v, DYNAMIC: tl.constexpr,
+                          VCAP: tl.constexpr, KCAP: tl.constexpr, BLOCK: tl.constexpr):
+        """Program b: row b's logsumexp over its V scaled logits, then a scan of its K largest (VALS, descending)
+        counting those it keeps; the threshold is the last one's value. DYNAMIC: loops to V and K (GPUs); else to
+        the constants VCAP and KCAP (the interpreter takes no run-time bound in a range)."""
+        b = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.full((), 0.0, tl.float32)
+        for c0 in range(0, V if DYNAMIC else VCAP, BLOCK):
+            x = tl.load(SCALED + b * stride_s + c0 + r, mask=c0 + r < V, other=float("-inf"))
+            cm = tl.maximum(m, tl.max(x, 0))
+            cm0 = tl.where(cm == float("-inf"), 0.0, cm)
+            l = l * tl.exp(m - cm0) + tl.sum(tl.exp(x - cm0), 0)
+            m = cm
+        lse = m + tl.log(l)
+        k = tl.load(TOPK + b)
+        top_p = tl.load(TOPP + b)
+        p_lim = tl.where(top_p >= 1.0, float("inf"), top_p)  # (1: off, though fp32 sums may reach it)
+        lim = tl.where(k > 0, k, K)
+        carry = tl.full((), 0.0, tl.float32)
+        n = tl.full((), 0, tl.int32)
+        for c0 in range(0, K if DYNAMIC else KCAP, BLOCK):
+            i = c0 + r
+            v = tl.load(VALS + b * stride_v + i, mask=i < K, other=float("-inf"))
+            p = tl.exp(v - lse)
+            cum = tl.cumsum(p, 0) + carry
+            keep = (i < K) & (i < lim) & (cum - p < p_lim)
+            n += tl.sum(keep.to(tl.int32), 0)
+            carry += tl.sum(p, 0)
+        thr = tl.load(VALS + b * stride_v + tl.maximum(n - 1, 0))
+        tl.store(THR + b, tl.where(k > 0, thr, tl.where(top_p < 1.0, thr, float("-inf"))))
+
+
+def threshold(scaled: torch.Tensor, vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              block: int = 2048) -> torch.Tensor:
+    """rollout_server.filter_threshold's scan in one launch, a program a row: scaled (B, V) fp32, vals (B, K) fp32
+    its K largest per row, descending; top_k (B,) int, top_p (B,) fp32 -> (B,) fp32 thresholds. The same rule as
+    the torch twin; its sums are the kernel's own (a keep decision at top_p's exact edge may differ)."""
+    B, V = scaled.shape
+    K = vals.shape[1]
+    out = torch.empty(B, dtype=torch.float32, device=scaled.device)
+    if B:
+        assert scaled.dtype == vals.dtype == torch.float32 and scaled.stride(1) == vals.stride(1) == 1
+        dynamic = scaled.is_cuda
+        _threshold_kernel[(B,)](scaled, vals, top_k.contiguous(), top_p.float().contiguous(), out, V, K,
+                                scaled.stride(0), vals.stride(0), DYNAMIC=dynamic, VCAP=1 if dynamic else V,
+                                KCAP=1 if dynamic else K, BLOCK=block, num_warps=8)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # a graphed decode step's outputs straight into pinned host memory
 
 if triton is not None:

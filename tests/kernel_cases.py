@@ -79,6 +79,24 @@ def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32,
     return int((t1 != t2).sum()), (l1 - l2).abs().max().item()
 
 
+def threshold_case(device, B: int, V: int, candidates: int | None, seed: int = 0) -> int:
+    """rollout_server.filter_threshold's one-launch scan (kernels.sample.threshold) against its torch twin: rows of
+    peaked and flat logits, top-k / top-p / both / neither (with candidates: every row's top-k at most that many,
+    from torch.topk). -> rows whose thresholds differ."""
+    from rollout_server import filter_threshold
+    g = torch.Generator().manual_seed(seed)
+    scaled = (torch.randn(B, V, generator=g) * torch.rand(B, 1, generator=g) * 8).to(device)
+    top_k = torch.randint(0 if candidates is None else 1, 1 + (candidates or 60), (B,), generator=g)
+    top_p = torch.where(torch.rand(B, generator=g) < 0.6, torch.rand(B, generator=g), torch.ones(B))
+    if candidates is None:
+        top_k = torch.where(torch.rand(B, generator=g) < 0.5, 0, top_k)
+        top_k[0], top_p[0] = 0, 1.0  # a row without either
+    top_k, top_p = top_k.to(device), top_p.to(device)
+    a = filter_threshold(scaled, top_k, top_p, candidates)
+    b = filter_threshold(scaled, top_k, top_p, candidates, fused=False)
+    return int((a != b).sum())
+
+
 def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0,
                    n_shared: int = 0) -> bool:
     """kernels.moe.moe_align's kernel against its torch twin (fused=False), with a fraction `absent` of

@@ -578,6 +578,14 @@ def test_gumbel_sample_kernel(B, dtype):
     assert torch.equal(gumbel_sample(logits, *args)[0], tok)
 
 
+@pytest.mark.parametrize("B,candidates", [(1, None), (16, 50), (64, None), (256, None), (256, 1000)])
+def test_threshold_kernel(B, candidates):
+    """The top-k / top-p thresholds of one launch a row (kernels.sample.threshold) against filter_threshold's torch
+    twin, at mini's vocabulary: from the sort of the row, and from torch.topk of the candidates."""
+    from tests.kernel_cases import threshold_case
+    assert threshold_case("cuda", B, 129280, candidates) == 0
+
+
 def test_to_host_kernel():
     """The decode step's outputs written by the device into pinned host rows it alternates (kernels.sample.to_host:
     three calls, a 15 KB source over several programs, the ticket back to 0)."""

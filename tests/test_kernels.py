@@ -541,6 +541,9 @@ INTERPRETED = textwrap.dedent("""
         for filters in ("plain", "top_k", "top_p"):
             bad, dlp = sample_case("cpu", B, V, dtype=dt, filters=filters)
             assert bad == 0 and dlp < 1e-4, (B, V, dt, filters, bad, dlp)
+    from tests.kernel_cases import threshold_case
+    for B, V, cand in ((9, 3000, None), (6, 5000, 40), (3, 700, 700)):
+        assert threshold_case("cpu", B, V, cand) == 0, (B, V, cand)
     from tests.kernel_cases import to_host_case
     assert to_host_case("cpu")
     from tests.kernel_cases import STEP_INPUTS_CASES, step_inputs_case
