@@ -94,7 +94,17 @@ def threshold_case(device, B: int, V: int, candidates: int | None, seed: int = 0
     top_k, top_p = top_k.to(device), top_p.to(device)
     a = filter_threshold(scaled, top_k, top_p, candidates)
     b = filter_threshold(scaled, top_k, top_p, candidates, fused=False)
-    return int((a != b).sum())
+    # the two sum the probabilities in different orders: a row may part where the mass before a token is within
+    # rounding of top_p (flat rows of 129,280 tokens: ~1e-5 each); such rows are not counted
+    srt = scaled.sort(-1, descending=True).values
+    p = (srt - scaled.logsumexp(-1, keepdim=True)).exp()
+    before = p.double().cumsum(-1) - p.double()
+    bad = 0
+    for r in (a != b).nonzero()[:, 0].tolist():
+        n = sorted(int((scaled[r] >= t).sum()) for t in (a[r], b[r]))
+        edge = (before[r, n[0] - 1:n[1]] - float(top_p[r])).abs().max() < 1e-5 * max(1, n[1] - n[0])
+        bad += not (edge and top_p[r] < 1)
+    return bad
 
 
 def moe_align_case(device, T: int, k: int, n_experts: int, absent: float = 0.0, seed: int = 0,
