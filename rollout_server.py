@@ -220,13 +220,13 @@ def sample_filtered(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
     tokens at or above filter_threshold (GPUs: gumbel_sample's one pass given the thresholds; fused=False, or
     CPUs: the torch twin). A decode step with such rows runs it on the device behind itself (reading no host
     value: the step stays pipelined)."""
-    lf = logits.float()
     greedy = temps == 0
-    scaled = lf / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    # fp32 (bf16 / fp16 logits promoted in the division itself: the bits of logits.float() / t, one pass fewer)
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).float()[:, None]
     thr = filter_threshold(scaled, top_k, top_p, candidates, fused)
     if fused and use_triton(logits):
         return gumbel_sample(logits, temps, seeds, steps, thr=thr)
-    return _pick(lf, greedy, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds, steps)
+    return _pick(logits, greedy, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds, steps)
 
 
 def _pick(logits, greedy, scaled, masked, seeds, steps):
