@@ -117,7 +117,7 @@ class SamplingParams:
 
     @property
     def filtered(self) -> bool:
-        """Top-k or top-p: drawn above a threshold (filter_threshold), sampled again behind a decode step."""
+        """Top-k or top-p: drawn above a threshold (filter_threshold), inside the decode step's own graphs."""
         return self.top_k > 0 or self.top_p < 1.0
 
 
@@ -179,10 +179,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor):
     """`sample` without top-k / top-p, from tensors (B,): the torch twin of kernels.sample.gumbel_sample, which
     the decode step runs in itself on CPUs (logits taken in fp32)."""
-    logits = logits.float()
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    return _pick(logits, greedy, scaled, scaled, seeds, steps)
+    scaled = _scaled(logits, temps)
+    return _pick(logits, temps == 0, scaled, scaled, seeds, steps)
 
 
 def filter_candidates(params: list[SamplingParams]) -> int | None:
@@ -193,19 +191,22 @@ def filter_candidates(params: list[SamplingParams]) -> int | None:
     return max(p.top_k for p in rows) if rows and all(p.top_k > 0 for p in rows) else None
 
 
-def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+def filter_threshold(logits: torch.Tensor, temps: torch.Tensor | None, top_k: torch.Tensor, top_p: torch.Tensor,
                      candidates: int | None = None, fused: bool = True) -> torch.Tensor:
-    """scaled (B, V) fp32 logits / temperature; top_k (B,) (0: off), top_p (B,) fp32 -> (B,) fp32: the smallest
-    scaled logit each row keeps (-inf: a row without top-k / top-p). A row keeps its largest logits, at most
-    top_k of them, and with top_p < 1 only while the probability mass of those before each is below top_p (at
-    least the largest); a token tied with the last one kept is kept too. candidates: filter_candidates' count
-    (torch.topk of that many instead of a sort of the vocabulary: the same threshold). GPUs scan the ranked
-    logits in one launch (kernels.sample.threshold; fused=False: this torch twin)."""
+    """logits (B, V), temps (B,) (0: greedy, taken as 1; None: all 1); top_k (B,) (0: off), top_p (B,) fp32 ->
+    (B,) fp32: the smallest scaled logit (logits / temperature, in fp32) each row keeps (-inf: a row without top-k
+    / top-p). A row keeps its largest logits, at most top_k of them, and with top_p < 1 only while the
+    probability mass of those before each is below top_p (at least the largest); a token tied with the last one
+    kept is kept too. GPUs search each row's values in one launch, no sort (kernels.sample.threshold); fused=False
+    (or CPUs) ranks them here, the twin: torch.topk of filter_candidates' count (candidates) where given, else a
+    sort of the vocabulary (the same threshold)."""
+    if fused and use_triton(logits):
+        temps = torch.ones(logits.shape[0], device=logits.device) if temps is None else temps
+        return threshold(logits, temps, top_k, top_p)
+    scaled = _scaled(logits, temps)
     B, V = scaled.shape
     K = V if candidates is None else min(candidates, V)
     vals = scaled.topk(K, -1).values if K < V else scaled.sort(-1, descending=True).values
-    if fused and use_triton(scaled):
-        return threshold(scaled, vals, top_k, top_p)
     probs = (vals - scaled.logsumexp(-1, keepdim=True)).exp()
     keep = torch.arange(K, device=scaled.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
     keep &= ((probs.cumsum(-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # (1: off, though fp32 sums
@@ -214,19 +215,31 @@ def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.where((top_k > 0) | (top_p < 1), thr, float("-inf"))
 
 
+def _scaled(logits: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+    """logits / temperature in fp32 (greedy rows: 1; bf16 / fp16 logits promoted in the division itself: the bits
+    of logits.float() / t, one pass fewer)."""
+    if temps is None:
+        return logits.float()
+    return logits / torch.where(temps == 0, torch.ones_like(temps), temps).float()[:, None]
+
+
 def sample_filtered(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    seeds: torch.Tensor, steps: torch.Tensor, candidates: int | None = None, fused: bool = True):
+                    seeds: torch.Tensor, steps: torch.Tensor, candidates: int | None = None, fused: bool = True,
+                    also: torch.Tensor | None = None):
     """`sample` with top-k / top-p, from tensors (B,) (top_k 0: off; top_p fp32): the Gumbel-max over each row's
-    tokens at or above filter_threshold (GPUs: gumbel_sample's one pass given the thresholds; fused=False, or
-    CPUs: the torch twin). A decode step with such rows runs it on the device behind itself (reading no host
-    value: the step stays pipelined)."""
-    greedy = temps == 0
-    # fp32 (bf16 / fp16 logits promoted in the division itself: the bits of logits.float() / t, one pass fewer)
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).float()[:, None]
-    thr = filter_threshold(scaled, top_k, top_p, candidates, fused)
+    tokens at or above filter_threshold (GPUs: its one-launch search, then gumbel_sample's one pass given the
+    thresholds, the logits read as they are; fused=False, or CPUs: the torch twins). It reads no host value, so
+    a decode step with such rows draws them inside itself (and its CUDA graph). also: the tokens copied into
+    also[:B] too (gumbel_sample's)."""
+    thr = filter_threshold(logits, temps, top_k, top_p, candidates, fused)
     if fused and use_triton(logits):
-        return gumbel_sample(logits, temps, seeds, steps, thr=thr)
-    return _pick(logits, greedy, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds, steps)
+        return gumbel_sample(logits, temps, seeds, steps, thr=thr, also=also)
+    scaled = _scaled(logits, temps)
+    tok, lp = _pick(logits, temps == 0, scaled, scaled.masked_fill(scaled < thr[:, None], float("-inf")), seeds,
+                    steps)
+    if also is not None:
+        also[:tok.shape[0]].copy_(tok)
+    return tok, lp
 
 
 def _pick(logits, greedy, scaled, masked, seeds, steps):
@@ -1605,15 +1618,17 @@ class Runner:
         out, oq = out if hq is not None else (out, None)
         return attn.project_out(out[None], None, None, oq)
 
-    def _decode_eager(self, inp, feed: bool = True, every: bool = False):
+    def _decode_eager(self, inp, feed: bool = True, every: bool = False, filtered: bool = False,
+                      candidates: int | None = None):
         """inp (9, n) int64 rows: token ids, positions, slots, sampling seeds, sampling steps, temperatures (as
         float64 bits), the row of the previous step whose sampled token is this row's id (-1: the id row), top-k
-        (0: off) and top-p (as float64 bits; these two are read by decode after the step). -> logits (n, V) in the
-        head's dtype (the sampler reads them as they are, no fp32 copy), routing (n, L, k) uint8, tok (n,) and lp
-        (n,): rollout_server.sample's tokens and log-probs for rows without top-k / top-p (kernels.sample on GPUs,
-        sample_plain elsewhere). feed=False: the sampled tokens are not kept in self.tok for the next step to feed
-        (a capture's warm-up step, which may run while a step is in flight whose tokens the next one feeds from
-        there). every: no position past every_upto (_decode_attention)."""
+        (0: off) and top-p (as float64 bits). -> logits (n, V) in the head's dtype (the sampler reads them as they
+        are, no fp32 copy), routing (n, L, k) uint8, tok (n,) and lp (n,): rollout_server.sample's tokens and
+        log-probs (kernels.sample on GPUs, sample_plain elsewhere; filtered: some rows have top-k / top-p, and
+        every row goes through sample_filtered, candidates its filter_candidates for the torch twin).
+        feed=False: the sampled tokens are not kept in self.tok for the next step to feed (a capture's warm-up
+        step, which may run while a step is in flight whose tokens the next one feeds from there). every: no
+        position past every_upto (_decode_attention)."""
         n, m, c = inp.shape[1], self.model, self.cache
         pos, slots = inp[1], inp[2]
         # the step's ids, embedded streams, RoPE rows (at the positions; at each compress window's first position,
@@ -1635,7 +1650,11 @@ class Runner:
         if rec is not None:
             out["index"] = rec.rows(n, ids.device)
         temps = inp[5].view(torch.float64)  # (the kernel rounds them to fp32 itself)
-        if use_triton(out["logits"]):  # (the kernel also writes the tokens the next step feeds)
+        if filtered:  # (rounded to fp32 as SamplingParams' floats are in `sample`)
+            out["tok"], out["lp"] = sample_filtered(out["logits"], temps.float(), inp[7], inp[8].view(torch.float64)
+                                                    .float(), inp[3], inp[4], candidates,
+                                                    also=self.tok if feed else None)
+        elif use_triton(out["logits"]):  # (the kernel also writes the tokens the next step feeds)
             out["tok"], out["lp"] = gumbel_sample(out["logits"], temps, inp[3], inp[4],
                                                   also=self.tok if feed else None)
         else:
@@ -1660,6 +1679,7 @@ class Runner:
         a[:, B:] = 0
         a[2, B:] = self.cache.trash
         a[6] = -1
+        a[8, B:].view(np.float64)[:] = 1.0  # (padding rows: no top-p, nothing to search)
         lags = lags or [0] * B
         a[0, :B] = [s.tokens[-1] for s in seqs]
         a[1, :B] = [s.fed + g for s, g in zip(seqs, lags)]
@@ -1682,13 +1702,16 @@ class Runner:
         B = len(seqs)
         h = self._stage(seqs, lags, src)
         every = not self.record_index and int(h.numpy()[1, :B].max()) <= self.every_upto
+        # top-k / top-p rows: drawn inside the step (graphs of their own), from no host value: still pipelined
+        filtered = any(s.params.filtered for s in seqs)
         bucket = next((b for b in self.BUCKETS if b >= B), None) if self.use_graphs else None
         host = {}
         if bucket is None:
             inp = h[:, :B].to(self.cache.device, non_blocking=True)
-            out = self._decode_eager(inp, every=every)
+            out = self._decode_eager(inp, every=every, filtered=filtered,
+                                     candidates=filter_candidates([s.params for s in seqs]))
         else:
-            g = self.graphs.get((bucket, every)) or self._capture(bucket, every)
+            g = self.graphs.get((bucket, every, filtered)) or self._capture(bucket, every, filtered)
             inp = g["inp"]
             inp.copy_(h[:, :bucket], non_blocking=True)
             g["graph"].replay()
@@ -1696,14 +1719,6 @@ class Runner:
             out = g["out"]
             host = {k: host_rows(t, p, out[k])[:B] for k, t in g["host"].items()}
         res = {k: v[:B] for k, v in out.items()}
-        if any(s.params.filtered for s in seqs):  # top-k / top-p rows: sampled again behind the step, on the
-            # device (the step stays pipelined), over its logits; the tokens the next step feeds are these
-            f64 = inp[:, :B].view(torch.float64)
-            res["tok"], res["lp"] = sample_filtered(res["logits"], f64[5].float(), inp[7, :B], f64[8].float(),
-                                                    inp[3, :B], inp[4, :B],
-                                                    filter_candidates([s.params for s in seqs]))
-            self.tok[:B].copy_(res["tok"])
-            host = {k: v for k, v in host.items() if k not in ("tok", "lp")}
         return {**res, "host": host} if host else res
 
     def fetch_start(self, *ts: torch.Tensor):
@@ -1739,14 +1754,15 @@ class Runner:
         """Device tensors -> host arrays: copies into pinned buffers and one synchronization."""
         return self.fetch_wait(self.fetch_start(*ts))
 
-    def _capture(self, bucket: int, every: bool):
+    def _capture(self, bucket: int, every: bool, filtered: bool = False):
         c, dev = self.cache, self.cache.device
         inp = torch.zeros(9, bucket, dtype=torch.int64, device=dev)
         inp[2], inp[6] = c.trash, -1
+        inp[8].view(torch.float64).fill_(1.0)
         # compiles the Triton kernels and warms the allocator outside the capture; feed=False: a bucket's first step
         # may come while the step before it is in flight, whose tokens it feeds from self.tok (before, the warm-up
         # wrote its own there: graphs and eager parted where a batch first shrank into a new bucket)
-        warm = self._decode_eager(inp, feed=False, every=every)
+        warm = self._decode_eager(inp, feed=False, every=every, filtered=filtered)
         names = [k for k in self.HOST_OUTPUTS if k in warm] if self.zero_copy else []
         host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
         if host:  # (compiles to_host, on a count of its own)
@@ -1754,11 +1770,11 @@ class Runner:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-            out = self._decode_eager(inp, every=every)
+            out = self._decode_eager(inp, every=every, filtered=filtered)
             if host:
                 to_host(self.ctr, [out[k] for k in names], [host[k] for k in names])
         self.pool = graph.pool()
-        self.graphs[bucket, every] = g = {"inp": inp, "graph": graph, "out": out, "host": host}
+        self.graphs[bucket, every, filtered] = g = {"inp": inp, "graph": graph, "out": out, "host": host}
         return g
 
 

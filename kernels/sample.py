@@ -146,58 +146,99 @@ def gumbel_sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
-# top-k / top-p: each row's threshold from its largest logits, sorted
+# top-k / top-p: each row's threshold by a radix search over its logits' values, no sort
 
 if triton is not None:
     @triton.jit
-    def _threshold_kernel(SCALED, VALS, TOPK, TOPP, THR, V, K, stride_s, stride_v, DYNAMIC: tl.constexpr,
-                          VCAP: tl.constexpr, KCAP: tl.constexpr, BLOCK: tl.constexpr):
-        """Program b: row b's logsumexp over its V scaled logits, then a scan of its K largest (VALS, descending)
-        counting those it keeps; the threshold is the last one's value. DYNAMIC: loops to V and K (GPUs); else to
-        the constants VCAP and KCAP (the interpreter takes no run-time bound in a range)."""
+    def _key_value(key, KEYBITS: tl.constexpr, DT: tl.constexpr):
+        """Keys (ordered as the values: the sign bit flipped for positives, every bit for negatives) -> the fp32
+        values of DT (the logits' dtype) they stand for."""
+        top = key >> (KEYBITS - 1)
+        bits = tl.where(top != 0, key ^ (top << (KEYBITS - 1)), ~key & ((1 << KEYBITS) - 1))
+        if KEYBITS == 32:
+            return bits.to(tl.int32).to(tl.float32, bitcast=True)
+        elif DT == tl.bfloat16:  # a bf16 is the top half of the fp32 of the same value
+            return (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _threshold_kernel(LOGITS, TEMP, TOPK, TOPP, THR, V, stride, KEYBITS: tl.constexpr, RBITS: tl.constexpr,
+                          DYNAMIC: tl.constexpr, VCAP: tl.constexpr, BLOCK: tl.constexpr):
+        """Program b: row b's threshold, the largest logit c whose tokens at or above it number at least top_k or
+        hold at least top_p of the probability mass (c is then the last token the sorted rule keeps), found
+        RBITS bits of c's key at a time: a pass over the row counts the tokens and sums the mass at or above each
+        of the 2^RBITS candidates of the next bits. A pass before: the row's logsumexp of logits / t and its
+        smallest logit (the answer where no candidate holds: fp32 sums short of top_p, or top_k past V).
+        DYNAMIC: loops to V (GPUs); else to the constant VCAP (the interpreter takes no run-time bound)."""
         b = tl.program_id(0)
+        k = tl.load(TOPK + b)
+        top_p = tl.load(TOPP + b)
+        if (k <= 0) & (top_p >= 1.0):  # neither: nothing filtered
+            tl.store(THR + b, float("-inf"))
+            return
+        t = tl.load(TEMP + b).to(tl.float32)
+        t = tl.where(t == 0, 1.0, t)  # (greedy rows draw unfiltered; their threshold is unused)
+        inv = 1.0 / t
+        row = LOGITS + b.to(tl.int64) * stride
         r = tl.arange(0, BLOCK)
         m = tl.full((), float("-inf"), tl.float32)
         l = tl.full((), 0.0, tl.float32)
+        lo_v = tl.full((), float("inf"), tl.float32)
         for c0 in range(0, V if DYNAMIC else VCAP, BLOCK):
-            x = tl.load(SCALED + b * stride_s + c0 + r, mask=c0 + r < V, other=float("-inf"))
-            cm = tl.maximum(m, tl.max(x, 0))
+            mv = c0 + r < V
+            x = tl.load(row + c0 + r, mask=mv, other=float("-inf")).to(tl.float32)
+            lo_v = tl.minimum(lo_v, tl.min(tl.where(mv, x, float("inf")), 0))
+            s = x * inv
+            cm = tl.maximum(m, tl.max(s, 0))
             cm0 = tl.where(cm == float("-inf"), 0.0, cm)
-            l = l * tl.exp(m - cm0) + tl.sum(tl.exp(x - cm0), 0)
+            l = l * tl.exp(m - cm0) + tl.sum(tl.exp(s - cm0), 0)
             m = cm
         lse = m + tl.log(l)
-        k = tl.load(TOPK + b)
-        top_p = tl.load(TOPP + b)
+        kk = tl.where(k > 0, tl.minimum(k, V + 1), V + 1).to(tl.int32)  # (V + 1: never reached)
         p_lim = tl.where(top_p >= 1.0, float("inf"), top_p)  # (1: off, though fp32 sums may reach it)
-        lim = tl.where(k > 0, k, K)
-        carry = tl.full((), 0.0, tl.float32)
-        n = tl.full((), 0, tl.int32)
-        for c0 in range(0, K if DYNAMIC else KCAP, BLOCK):
-            i = c0 + r
-            v = tl.load(VALS + b * stride_v + i, mask=i < K, other=float("-inf"))
-            p = tl.exp(v - lse)
-            cum = tl.cumsum(p, 0) + carry
-            keep = (i < K) & (i < lim) & (cum - p < p_lim)
-            n += tl.sum(keep.to(tl.int32), 0)
-            carry += tl.sum(p, 0)
-        thr = tl.load(VALS + b * stride_v + tl.maximum(n - 1, 0))
-        tl.store(THR + b, tl.where(k > 0, thr, tl.where(top_p < 1.0, thr, float("-inf"))))
+        R: tl.constexpr = 1 << RBITS
+        j = tl.arange(0, R)
+        if KEYBITS == 32:
+            lo = tl.full((), 0, tl.int64)
+            jk = j.to(tl.int64)
+        else:
+            lo = tl.full((), 0, tl.int32)
+            jk = j
+        for q in tl.static_range(KEYBITS // RBITS):
+            shift: tl.constexpr = KEYBITS - RBITS * (q + 1)
+            cand = _key_value(lo + (jk << shift), KEYBITS, LOGITS.dtype.element_ty)
+            cnt = tl.zeros((R,), tl.int32)
+            mass = tl.zeros((R,), tl.float32)
+            for c0 in range(0, V if DYNAMIC else VCAP, BLOCK):
+                mv = c0 + r < V
+                x = tl.load(row + c0 + r, mask=mv, other=float("-inf")).to(tl.float32)
+                p = tl.exp(x * inv - lse)
+                ge = (x[:, None] >= cand[None, :]) & mv[:, None]
+                cnt += tl.sum(ge.to(tl.int32), 0)
+                mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+            ok = (cnt >= kk) | (mass >= p_lim)  # (a NaN candidate's: neither)
+            lo += tl.max(tl.where(ok, jk, 0), 0) << shift  # (candidate 0, lo itself, holds or lo is below all)
+        c = _key_value(lo, KEYBITS, LOGITS.dtype.element_ty)
+        c = tl.where(c >= lo_v, c, lo_v)
+        tl.store(THR + b, tl.div_rn(c, t))  # logits / t as the sampler divides them: a kept token's own value
 
 
-def threshold(scaled: torch.Tensor, vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              block: int = 2048) -> torch.Tensor:
-    """rollout_server.filter_threshold's scan in one launch, a program a row: scaled (B, V) fp32, vals (B, K) fp32
-    its K largest per row, descending; top_k (B,) int, top_p (B,) fp32 -> (B,) fp32 thresholds. The same rule as
-    the torch twin; its sums are the kernel's own (a keep decision at top_p's exact edge may differ)."""
-    B, V = scaled.shape
-    K = vals.shape[1]
-    out = torch.empty(B, dtype=torch.float32, device=scaled.device)
+def threshold(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              block: int = 1024, rbits: int = 4) -> torch.Tensor:
+    """rollout_server.filter_threshold in one launch, a program a row, without sorting: logits (B, V) fp32 / bf16 /
+    fp16, temps (B,) (0: greedy, taken as 1), top_k (B,) int (0: off), top_p (B,) (1: off) -> (B,) fp32
+    thresholds on logits / temps (-inf: a row without either). The same rule as the torch twin; its probability
+    sums are the kernel's own (a keep decision at top_p's exact edge may differ). rbits: the key bits a pass
+    decides (16- or 32-bit keys: 16 / rbits passes for bf16 and fp16, 32 / rbits for fp32, one before them)."""
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
-        assert scaled.dtype == vals.dtype == torch.float32 and scaled.stride(1) == vals.stride(1) == 1
-        dynamic = scaled.is_cuda
-        _threshold_kernel[(B,)](scaled, vals, top_k.contiguous(), top_p.float().contiguous(), out, V, K,
-                                scaled.stride(0), vals.stride(0), DYNAMIC=dynamic, VCAP=1 if dynamic else V,
-                                KCAP=1 if dynamic else K, BLOCK=block, num_warps=8)
+        assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
+        dynamic = logits.is_cuda
+        _threshold_kernel[(B,)](logits, temps.contiguous(), top_k.contiguous(), top_p.float().contiguous(), out, V,
+                                logits.stride(0), KEYBITS=32 if logits.dtype == torch.float32 else 16,
+                                RBITS=rbits, DYNAMIC=dynamic, VCAP=1 if dynamic else V, BLOCK=block, num_warps=8)
     return out
 
 

@@ -79,30 +79,35 @@ def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32,
     return int((t1 != t2).sum()), (l1 - l2).abs().max().item()
 
 
-def threshold_case(device, B: int, V: int, candidates: int | None, seed: int = 0) -> int:
-    """rollout_server.filter_threshold's one-launch scan (kernels.sample.threshold) against its torch twin: rows of
-    peaked and flat logits, top-k / top-p / both / neither (with candidates: every row's top-k at most that many,
-    from torch.topk). -> rows whose thresholds differ."""
-    from rollout_server import filter_threshold
+def threshold_case(device, B: int, V: int, dtype=torch.float32, seed: int = 0) -> int:
+    """rollout_server.filter_threshold's one-launch search (kernels.sample.threshold) against its torch twin (the
+    sort): logits in dtype, peaked and flat rows, temperatures (greedy rows too), top-k / top-p / both / neither,
+    a top-k past V, ties at the edge. -> rows whose thresholds differ."""
+    from rollout_server import _scaled, filter_threshold
     g = torch.Generator().manual_seed(seed)
-    scaled = (torch.randn(B, V, generator=g) * torch.rand(B, 1, generator=g) * 8).to(device)
-    top_k = torch.randint(0 if candidates is None else 1, 1 + (candidates or 60), (B,), generator=g)
-    top_p = torch.where(torch.rand(B, generator=g) < 0.6, torch.rand(B, generator=g), torch.ones(B))
-    if candidates is None:
-        top_k = torch.where(torch.rand(B, generator=g) < 0.5, 0, top_k)
-        top_k[0], top_p[0] = 0, 1.0  # a row without either
-    top_k, top_p = top_k.to(device), top_p.to(device)
-    a = filter_threshold(scaled, top_k, top_p, candidates)
-    b = filter_threshold(scaled, top_k, top_p, candidates, fused=False)
+    i = torch.arange(B)
+    flat = torch.tensor([0.1, 1.0, 4.0])[i % 3]  # flat to peaked rows, each with every mode below over 12 rows
+    logits = (torch.randn(B, V, generator=g) * flat[:, None] * (0.5 + torch.rand(B, 1, generator=g))).to(dtype)
+    logits[1::5, V // 2:] = logits[1::5, :V - V // 2]  # every value twice: ties at any edge
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.3, 2.0])[i % 5]
+    mode = i % 4  # top-p alone, top-k alone, both, neither
+    top_k = torch.where((mode == 1) | (mode == 2), torch.randint(1, 60, (B,), generator=g), 0)
+    top_p = torch.where(mode % 2 == 0, 0.05 + 0.94 * torch.rand(B, generator=g), torch.ones(B))
+    if B > 5:
+        top_k[5] = V + 5  # keeps every token
+    logits, temps, top_k, top_p = (t.to(device) for t in (logits, temps, top_k, top_p))
+    a = filter_threshold(logits, temps, top_k, top_p)
+    b = filter_threshold(logits, temps, top_k, top_p, fused=False)
     # the two sum the probabilities in different orders: a row may part where the mass before a token is within
     # rounding of top_p (flat rows of 129,280 tokens: ~1e-5 each); such rows are not counted
+    scaled = _scaled(logits, temps)
     srt = scaled.sort(-1, descending=True).values
     p = (srt - scaled.logsumexp(-1, keepdim=True)).exp()
     before = p.double().cumsum(-1) - p.double()
     bad = 0
     for r in (a != b).nonzero()[:, 0].tolist():
         n = sorted(int((scaled[r] >= t).sum()) for t in (a[r], b[r]))
-        edge = (before[r, n[0] - 1:n[1]] - float(top_p[r])).abs().max() < 1e-5 * max(1, n[1] - n[0])
+        edge = n[0] > 0 and (before[r, n[0] - 1:n[1]] - float(top_p[r])).abs().max() < 1e-5 * max(1, n[1] - n[0])
         bad += not (edge and top_p[r] < 1)
     return bad
 

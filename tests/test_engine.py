@@ -66,7 +66,7 @@ def test_filter_threshold_keeps_what_the_sorted_definition_keeps():
     top_k = torch.randint(0, 60, (B,), generator=g)
     top_p = torch.where(torch.rand(B, generator=g) < 0.5, torch.rand(B, generator=g), torch.ones(B))
     top_k[0], top_p[0] = 0, 1.0  # a row without either
-    thr = filter_threshold(scaled, top_k, top_p)
+    thr = filter_threshold(scaled, None, top_k, top_p)
     srt, order = scaled.sort(-1, descending=True)
     probs = srt.softmax(-1)
     keep = (torch.arange(V) < torch.where(top_k > 0, top_k, V)[:, None]) & \
@@ -79,13 +79,13 @@ def test_filter_threshold_keeps_what_the_sorted_definition_keeps():
     k = top_k.clamp(min=1)
     params = [SamplingParams(top_k=int(a), top_p=float(b)) for a, b in zip(k, top_p)]
     assert filter_candidates(params) == int(k.max()) < V
-    assert torch.equal(filter_threshold(scaled, k, top_p, filter_candidates(params)),
-                       filter_threshold(scaled, k, top_p))
+    assert torch.equal(filter_threshold(scaled, None, k, top_p, filter_candidates(params)),
+                       filter_threshold(scaled, None, k, top_p))
     assert filter_candidates(params + [SamplingParams(top_p=0.5)]) is None  # top-p alone: the sort
     assert filter_candidates([SamplingParams(), SamplingParams(top_k=3)]) == 3  # (rows without a filter: ignored)
     # ties at the edge: top-k 2 of (5, 3, 3, 3, 1) keeps the three 3s
     tied = torch.tensor([[5.0, 3.0, 1.0, 3.0, 3.0]])
-    assert filter_threshold(tied, torch.tensor([2]), torch.tensor([1.0])).item() == 3.0
+    assert filter_threshold(tied, None, torch.tensor([2]), torch.tensor([1.0])).item() == 3.0
     # the twin's draws (30 steps a row) are kept tokens, greedy rows aside
     temps = torch.where(torch.arange(B) % 4 == 0, 0.0, 1.0)
     for step in range(30):

@@ -562,7 +562,7 @@ def test_route_kernel(M, D, E, k, func, hashed):
 def test_gumbel_sample_kernel(B, dtype):
     """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log), from
     fp32 logits and from the decode step's bf16 ones; with top-k / top-p rows too (the kernel given the
-    thresholds of filter_threshold, from torch.topk or from the sort)."""
+    thresholds of the one-launch search, the torch path its twin's from torch.topk or the sort)."""
     from tests.kernel_cases import sample_case
     for filters in ("plain", "top_k", "top_p"):
         bad, dlp = sample_case("cuda", B, 129280, dtype=dtype, filters=filters)
@@ -578,12 +578,13 @@ def test_gumbel_sample_kernel(B, dtype):
     assert torch.equal(gumbel_sample(logits, *args)[0], tok)
 
 
-@pytest.mark.parametrize("B,candidates", [(1, None), (16, 50), (64, None), (256, None), (256, 1000)])
-def test_threshold_kernel(B, candidates):
-    """The top-k / top-p thresholds of one launch a row (kernels.sample.threshold) against filter_threshold's torch
-    twin, at mini's vocabulary: from the sort of the row, and from torch.topk of the candidates."""
+@pytest.mark.parametrize("B,dtype", [(1, torch.bfloat16), (16, torch.float32), (64, torch.bfloat16),
+                                     (256, torch.bfloat16), (64, torch.float16)])
+def test_threshold_kernel(B, dtype):
+    """The top-k / top-p thresholds of one launch a row (kernels.sample.threshold: a radix search, no sort) against
+    filter_threshold's torch twin (the sort), at mini's vocabulary."""
     from tests.kernel_cases import threshold_case
-    assert threshold_case("cuda", B, 129280, candidates) == 0
+    assert threshold_case("cuda", B, 129280, dtype) == 0
 
 
 def test_to_host_kernel():
@@ -786,9 +787,9 @@ def test_prefill_attention(mode):
 
 
 def test_engine_top_k_top_p_steps_stay_pipelined():
-    """Top-k / top-p rows beside plain sampled and greedy ones: the decode steps sample them behind the graph on
-    the device (the step's own host copies of tokens and log-probs set aside), no step runs alone, and graphs
-    and eager steps give the same bits, with and without the step's zero-copy outputs."""
+    """Top-k / top-p rows beside plain sampled and greedy ones: the decode steps draw them inside themselves, in
+    graphs of their own ((bucket, every, True)), no step runs alone, and graphs and eager steps give the same
+    bits, with and without the step's zero-copy outputs."""
     from rollout_server import Engine, SamplingParams
     m = _engine_model()
     g = torch.Generator().manual_seed(2)
@@ -802,7 +803,9 @@ def test_engine_top_k_top_p_steps_stay_pipelined():
         outs = {}
         for name, kw, env in [("graphs", {}, "1"), ("eager", dict(cuda_graphs=False), "1"), ("copies", {}, "0")]:
             mp.setenv("ENGINE_ZERO_COPY", env)
-            outs[name] = Engine(m, fp8=True, dtype=torch.bfloat16, max_model_len=512, **kw).generate(prompts, sp)
+            eng = Engine(m, fp8=True, dtype=torch.bfloat16, max_model_len=512, **kw)
+            outs[name] = eng.generate(prompts, sp)
+            assert name == "eager" or {f for *_, f in eng.runner.graphs} == {True, False}  # (the last steps: plain)
     for other in ("eager", "copies"):
         for a, b in zip(outs["graphs"], outs[other]):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, other
@@ -824,7 +827,7 @@ def test_engine_steps_that_skip_the_indexer():
         eng = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512)
         assert eng.runner.every_upto == 18
         outs = eng.generate(prompts, sp)
-        assert {every for _, every in eng.runner.graphs} == {True, False}
+        assert {every for _, every, _ in eng.runner.graphs} == {True, False}
         eager = Engine(m, fp8=fp8, dtype=torch.bfloat16, max_model_len=512, cuda_graphs=False).generate(prompts, sp)
         for a, b in zip(outs, eager):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
