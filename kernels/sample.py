@@ -153,6 +153,8 @@ if triton is not None:
     def _key_value(key, KEYBITS: tl.constexpr, DT: tl.constexpr):
         """Keys (ordered as the values: the sign bit flipped for positives, every bit for negatives) -> the fp32
         values of DT (the logits' dtype) they stand for."""
+        if KEYBITS == 16:
+            key = key.to(tl.int32)
         top = key >> (KEYBITS - 1)
         bits = tl.where(top != 0, key ^ (top << (KEYBITS - 1)), ~key & ((1 << KEYBITS) - 1))
         if KEYBITS == 32:
@@ -163,82 +165,166 @@ if triton is not None:
             return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _threshold_kernel(LOGITS, TEMP, TOPK, TOPP, THR, V, stride, KEYBITS: tl.constexpr, RBITS: tl.constexpr,
-                          DYNAMIC: tl.constexpr, VCAP: tl.constexpr, BLOCK: tl.constexpr):
-        """Program b: row b's threshold, the largest logit c whose tokens at or above it number at least top_k or
-        hold at least top_p of the probability mass (c is then the last token the sorted rule keeps), found
-        RBITS bits of c's key at a time: a pass over the row counts the tokens and sums the mass at or above each
-        of the 2^RBITS candidates of the next bits. A pass before: the row's logsumexp of logits / t and its
-        smallest logit (the answer where no candidate holds: fp32 sums short of top_p, or top_k past V).
-        DYNAMIC: loops to V (GPUs); else to the constant VCAP (the interpreter takes no run-time bound)."""
-        b = tl.program_id(0)
+    def _thr_row(TEMP, TOPK, TOPP, b):
+        """Row b's filters and temperature: (off: neither, top_k as a count to reach (never: off), top_p as a mass
+        to reach (never: off), t (greedy: 1))."""
         k = tl.load(TOPK + b)
         top_p = tl.load(TOPP + b)
-        if (k <= 0) & (top_p >= 1.0):  # neither: nothing filtered
-            tl.store(THR + b, float("-inf"))
-            return
         t = tl.load(TEMP + b).to(tl.float32)
-        t = tl.where(t == 0, 1.0, t)  # (greedy rows draw unfiltered; their threshold is unused)
+        never = 2 ** 31 - 1
+        return ((k <= 0) & (top_p >= 1.0), tl.where(k > 0, tl.minimum(k, never), never).to(tl.int32),
+                tl.where(top_p >= 1.0, float("inf"), top_p),  # (1: off, though fp32 sums may reach it)
+                tl.where(t == 0, 1.0, t))  # (greedy rows draw unfiltered: their threshold is unused)
+
+    @triton.jit
+    def _thr_stats_kernel(LOGITS, TEMP, TOPK, TOPP, ST, V, stride, S: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """Program (row b, slice sp): the slice's max of logits / t, its sum of exp(. - max) and its smallest
+        logit, into ST[b, sp]."""
+        b, sp = tl.program_id(0), tl.program_id(1)
+        off, k, p_lim, t = _thr_row(TEMP, TOPK, TOPP, b)
+        if off:
+            return
         inv = 1.0 / t
         row = LOGITS + b.to(tl.int64) * stride
         r = tl.arange(0, BLOCK)
         m = tl.full((), float("-inf"), tl.float32)
         l = tl.full((), 0.0, tl.float32)
         lo_v = tl.full((), float("inf"), tl.float32)
-        for c0 in range(0, V if DYNAMIC else VCAP, BLOCK):
-            mv = c0 + r < V
-            x = tl.load(row + c0 + r, mask=mv, other=float("-inf")).to(tl.float32)
+        for i in range(0, CHUNK, BLOCK):
+            v = sp * CHUNK + i + r
+            mv = v < V
+            x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
             lo_v = tl.minimum(lo_v, tl.min(tl.where(mv, x, float("inf")), 0))
             s = x * inv
             cm = tl.maximum(m, tl.max(s, 0))
             cm0 = tl.where(cm == float("-inf"), 0.0, cm)
             l = l * tl.exp(m - cm0) + tl.sum(tl.exp(s - cm0), 0)
             m = cm
-        lse = m + tl.log(l)
-        kk = tl.where(k > 0, tl.minimum(k, V + 1), V + 1).to(tl.int32)  # (V + 1: never reached)
-        p_lim = tl.where(top_p >= 1.0, float("inf"), top_p)  # (1: off, though fp32 sums may reach it)
-        R: tl.constexpr = 1 << RBITS
+        base = ST + (b * S + sp) * 3
+        tl.store(base, m)
+        tl.store(base + 1, l)
+        tl.store(base + 2, lo_v)
+
+    @triton.jit
+    def _thr_lse(ST, b, S: tl.constexpr):
+        """Row b's logsumexp of logits / t and smallest logit, from its S slices' stats (in slice order)."""
+        sl = tl.arange(0, S)
+        base = ST + (b * S + sl) * 3
+        m = tl.load(base)
+        mm = tl.max(m, 0)
+        return mm + tl.log(tl.sum(tl.load(base + 1) * tl.exp(m - mm), 0)), tl.min(tl.load(base + 2), 0)
+
+    @triton.jit
+    def _thr_lo(PC, PM, LO, b, q, k, p_lim, S: tl.constexpr, R: tl.constexpr, RBITS: tl.constexpr,
+                KEYBITS: tl.constexpr):
+        """Row b's key prefix after pass q (>= 0): pass q's candidates were LO[b, q] + j << shift; the largest j
+        whose tokens at or above it number at least k or hold at least p_lim of the mass (the S slices' counts
+        PC and masses PM summed in slice order; candidate 0, the prefix itself, holds or the prefix is below
+        every token)."""
+        sl = tl.arange(0, S)
         j = tl.arange(0, R)
-        if KEYBITS == 32:
+        off = (b * S + sl)[:, None] * R + j[None, :]
+        cnt = tl.sum(tl.load(PC + off), 0)
+        mass = tl.sum(tl.load(PM + off), 0)
+        ok = (cnt >= k) | (mass >= p_lim)
+        lo = tl.load(LO + b * (KEYBITS // RBITS + 1) + q)
+        return lo + (tl.max(tl.where(ok, j, 0), 0).to(tl.int64) << (KEYBITS - RBITS * (q + 1)))
+
+    @triton.jit
+    def _thr_pass_kernel(LOGITS, TEMP, TOPK, TOPP, ST, PC, PM, LO, V, stride, q: tl.constexpr,
+                         S: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBITS: tl.constexpr,
+                         KEYBITS: tl.constexpr):
+        """Pass q, program (row b, slice sp): the row's key prefix so far (from pass q - 1's counts and masses,
+        in PC / PM[(q - 1) % 2]; slice 0 stores it in LO[b, q]), then the slice's count and probability mass of
+        tokens at or above each of the 2^RBITS candidates prefix + j << shift, into PC / PM[q % 2][b, sp]."""
+        b, sp = tl.program_id(0), tl.program_id(1)
+        off, k, p_lim, t = _thr_row(TEMP, TOPK, TOPP, b)
+        if off:
+            return
+        R: tl.constexpr = 1 << RBITS
+        NB = tl.num_programs(0) * S * R  # one parity's partials
+        if q == 0:
             lo = tl.full((), 0, tl.int64)
-            jk = j.to(tl.int64)
         else:
-            lo = tl.full((), 0, tl.int32)
-            jk = j
-        for q in tl.static_range(KEYBITS // RBITS):
-            shift: tl.constexpr = KEYBITS - RBITS * (q + 1)
-            cand = _key_value(lo + (jk << shift), KEYBITS, LOGITS.dtype.element_ty)
-            cnt = tl.zeros((R,), tl.int32)
-            mass = tl.zeros((R,), tl.float32)
-            for c0 in range(0, V if DYNAMIC else VCAP, BLOCK):
-                mv = c0 + r < V
-                x = tl.load(row + c0 + r, mask=mv, other=float("-inf")).to(tl.float32)
-                p = tl.exp(x * inv - lse)
-                ge = (x[:, None] >= cand[None, :]) & mv[:, None]
-                cnt += tl.sum(ge.to(tl.int32), 0)
-                mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
-            ok = (cnt >= kk) | (mass >= p_lim)  # (a NaN candidate's: neither)
-            lo += tl.max(tl.where(ok, jk, 0), 0) << shift  # (candidate 0, lo itself, holds or lo is below all)
+            lo = _thr_lo(PC + ((q - 1) % 2) * NB, PM + ((q - 1) % 2) * NB, LO, b, q - 1, k, p_lim, S, R, RBITS,
+                         KEYBITS)
+        if sp == 0:
+            tl.store(LO + b * (KEYBITS // RBITS + 1) + q, lo)
+        lse, _ = _thr_lse(ST, b, S)
+        inv = 1.0 / t
+        j = tl.arange(0, R)
+        cand = _key_value(lo + (j.to(tl.int64) << (KEYBITS - RBITS * (q + 1))), KEYBITS, LOGITS.dtype.element_ty)
+        row = LOGITS + b.to(tl.int64) * stride
+        r = tl.arange(0, BLOCK)
+        cnt = tl.zeros((R,), tl.int32)
+        mass = tl.zeros((R,), tl.float32)
+        for i in range(0, CHUNK, BLOCK):
+            v = sp * CHUNK + i + r
+            mv = v < V
+            x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
+            p = tl.exp(x * inv - lse)
+            ge = (x[:, None] >= cand[None, :]) & mv[:, None]  # (a NaN candidate's: none)
+            cnt += tl.sum(ge.to(tl.int32), 0)
+            mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+        out = (q % 2) * NB + (b * S + sp) * R + j
+        tl.store(PC + out, cnt)
+        tl.store(PM + out, mass)
+
+    @triton.jit
+    def _thr_final_kernel(LOGITS, TEMP, TOPK, TOPP, ST, PC, PM, LO, THR, S: tl.constexpr, RBITS: tl.constexpr,
+                          KEYBITS: tl.constexpr):
+        """Row b's threshold: the value of its key after the last pass (at least its smallest logit: no
+        candidate held where fp32 sums fall short of top_p or top_k passes V), divided by t as the sampler
+        divides the logits (a kept token's own value); -inf for a row without top-k / top-p."""
+        b = tl.program_id(0)
+        off, k, p_lim, t = _thr_row(TEMP, TOPK, TOPP, b)
+        if off:
+            tl.store(THR + b, float("-inf"))
+            return
+        P: tl.constexpr = KEYBITS // RBITS
+        R: tl.constexpr = 1 << RBITS
+        NB = tl.num_programs(0) * S * R
+        lo = _thr_lo(PC + ((P - 1) % 2) * NB, PM + ((P - 1) % 2) * NB, LO, b, P - 1, k, p_lim, S, R, RBITS,
+                     KEYBITS)
+        _, lo_v = _thr_lse(ST, b, S)
         c = _key_value(lo, KEYBITS, LOGITS.dtype.element_ty)
-        c = tl.where(c >= lo_v, c, lo_v)
-        tl.store(THR + b, tl.div_rn(c, t))  # logits / t as the sampler divides them: a kept token's own value
+        tl.store(THR + b, tl.div_rn(tl.where(c >= lo_v, c, lo_v), t))
 
 
 def threshold(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              block: int = 1024, rbits: int = 4) -> torch.Tensor:
-    """rollout_server.filter_threshold in one launch, a program a row, without sorting: logits (B, V) fp32 / bf16 /
-    fp16, temps (B,) (0: greedy, taken as 1), top_k (B,) int (0: off), top_p (B,) (1: off) -> (B,) fp32
-    thresholds on logits / temps (-inf: a row without either). The same rule as the torch twin; its probability
-    sums are the kernel's own (a keep decision at top_p's exact edge may differ). rbits: the key bits a pass
-    decides (16- or 32-bit keys: 16 / rbits passes for bf16 and fp16, 32 / rbits for fp32, one before them)."""
+              block: int = 2048, rbits: int = 2, split: int | None = None) -> torch.Tensor:
+    """rollout_server.filter_threshold on GPUs, without sorting: logits (B, V) fp32 / bf16 / fp16, temps (B,) (0:
+    greedy, taken as 1), top_k (B,) int (0: off), top_p (B,) (1: off) -> (B,) fp32 thresholds on logits / temps
+    (-inf: a row without either), the largest logit c whose tokens at or above it number at least top_k or hold
+    at least top_p of the probability mass (c is then the last token the sorted rule keeps). Found rbits bits of
+    c's key (its bits ordered as the values) a pass: each pass counts the tokens and sums the mass at or above
+    each of the 2^rbits candidates for the next bits, the row split over `split` programs (default: by the batch,
+    as gumbel_sample's slices) whose sums the next pass adds in slice order. Launches: the row's logsumexp, 16 /
+    rbits passes (bf16, fp16; 32 / rbits for fp32), the threshold. The same rule as the torch twin; its sums
+    are the kernels' own (a keep decision at top_p's exact edge may differ)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.float32, device=logits.device)
-    if B:
-        assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
-        dynamic = logits.is_cuda
-        _threshold_kernel[(B,)](logits, temps.contiguous(), top_k.contiguous(), top_p.float().contiguous(), out, V,
-                                logits.stride(0), KEYBITS=32 if logits.dtype == torch.float32 else 16,
-                                RBITS=rbits, DYNAMIC=dynamic, VCAP=1 if dynamic else V, BLOCK=block, num_warps=8)
+    if not B:
+        return out
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
+    keybits = 32 if logits.dtype == torch.float32 else 16
+    assert keybits % rbits == 0, f"threshold: rbits {rbits} does not divide the {keybits}-bit keys"
+    P, R = keybits // rbits, 1 << rbits
+    S = pow2(split or _slices(B, V, block, logits.device))  # (a power of two: the sums' vector)
+    chunk = -(-V // (S * block)) * block
+    dev = logits.device
+    temps, top_k, top_p = temps.contiguous(), top_k.contiguous(), top_p.float().contiguous()
+    st = torch.empty(B, S, 3, dtype=torch.float32, device=dev)
+    pc = torch.empty(2, B, S, R, dtype=torch.int32, device=dev)
+    pm = torch.empty(2, B, S, R, dtype=torch.float32, device=dev)
+    lo = torch.empty(B, P + 1, dtype=torch.int64, device=dev)
+    args = (logits, temps, top_k, top_p)
+    _thr_stats_kernel[(B, S)](*args, st, V, logits.stride(0), S=S, CHUNK=chunk, BLOCK=block, num_warps=8)
+    for q in range(P):
+        _thr_pass_kernel[(B, S)](*args, st, pc, pm, lo, V, logits.stride(0), q=q, S=S, CHUNK=chunk, BLOCK=block,
+                                 RBITS=rbits, KEYBITS=keybits, num_warps=8)
+    _thr_final_kernel[(B,)](*args, st, pc, pm, lo, out, S=S, RBITS=rbits, KEYBITS=keybits, num_warps=4)
     return out
 
 

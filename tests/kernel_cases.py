@@ -79,10 +79,11 @@ def sample_case(device, B: int, V: int, seed: int = 0, dtype=torch.float32,
     return int((t1 != t2).sum()), (l1 - l2).abs().max().item()
 
 
-def threshold_case(device, B: int, V: int, dtype=torch.float32, seed: int = 0) -> int:
-    """rollout_server.filter_threshold's one-launch search (kernels.sample.threshold) against its torch twin (the
-    sort): logits in dtype, peaked and flat rows, temperatures (greedy rows too), top-k / top-p / both / neither,
-    a top-k past V, ties at the edge. -> rows whose thresholds differ."""
+def threshold_case(device, B: int, V: int, dtype=torch.float32, seed: int = 0, **kernel) -> int:
+    """rollout_server.filter_threshold's search (kernels.sample.threshold, given `kernel`'s options where any)
+    against its torch twin (the sort): logits in dtype, peaked and flat rows, temperatures (greedy rows too),
+    top-k / top-p / both / neither, a top-k past V, ties at the edge. -> rows whose thresholds differ."""
+    from kernels.sample import threshold
     from rollout_server import _scaled, filter_threshold
     g = torch.Generator().manual_seed(seed)
     i = torch.arange(B)
@@ -96,7 +97,7 @@ def threshold_case(device, B: int, V: int, dtype=torch.float32, seed: int = 0) -
     if B > 5:
         top_k[5] = V + 5  # keeps every token
     logits, temps, top_k, top_p = (t.to(device) for t in (logits, temps, top_k, top_p))
-    a = filter_threshold(logits, temps, top_k, top_p)
+    a = threshold(logits, temps, top_k, top_p, **kernel) if kernel else filter_threshold(logits, temps, top_k, top_p)
     b = filter_threshold(logits, temps, top_k, top_p, fused=False)
     # the two sum the probabilities in different orders: a row may part where the mass before a token is within
     # rounding of top_p (flat rows of 129,280 tokens: ~1e-5 each); such rows are not counted

@@ -544,6 +544,11 @@ INTERPRETED = textwrap.dedent("""
     from tests.kernel_cases import threshold_case
     for B, V, dt in ((12, 3000, torch.float32), (13, 5000, torch.bfloat16), (7, 700, torch.float16)):
         assert threshold_case("cpu", B, V, dt) == 0, (B, V, dt)
+    # rows over several programs (a GPU's default past a few rows), and 1, 2 and 4 key bits a pass
+    for B, V, dt, kw in ((12, 3000, torch.float32, dict(split=4, block=256, rbits=4)),
+                         (6, 1000, torch.bfloat16, dict(split=4, block=128, rbits=1)),
+                         (5, 900, torch.bfloat16, dict(split=2, block=512, rbits=4))):
+        assert threshold_case("cpu", B, V, dt, **kw) == 0, (B, V, dt, kw)
     from tests.kernel_cases import to_host_case
     assert to_host_case("cpu")
     from tests.kernel_cases import STEP_INPUTS_CASES, step_inputs_case
