@@ -259,14 +259,21 @@ if triton is not None:
         r = tl.arange(0, BLOCK)
         cnt = tl.zeros((R,), tl.int32)
         mass = tl.zeros((R,), tl.float32)
-        for i in range(0, CHUNK, BLOCK):
-            v = sp * CHUNK + i + r
-            mv = v < V
-            x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
-            p = tl.exp(x * inv - lse)
-            ge = (x[:, None] >= cand[None, :]) & mv[:, None]  # (a NaN candidate's: none)
-            cnt += tl.sum(ge.to(tl.int32), 0)
-            mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+        if p_lim < float("inf"):
+            for i in range(0, CHUNK, BLOCK):
+                v = sp * CHUNK + i + r
+                mv = v < V
+                x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
+                p = tl.exp(x * inv - lse)
+                ge = (x[:, None] >= cand[None, :]) & mv[:, None]  # (a NaN candidate's: none)
+                cnt += tl.sum(ge.to(tl.int32), 0)
+                mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+        else:  # top-k alone: counts only (no mass reaches an infinite top_p)
+            for i in range(0, CHUNK, BLOCK):
+                v = sp * CHUNK + i + r
+                mv = v < V
+                x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
+                cnt += tl.sum(((x[:, None] >= cand[None, :]) & mv[:, None]).to(tl.int32), 0)
         out = (q % 2) * NB + (b * S + sp) * R + j
         tl.store(PC + out, cnt)
         tl.store(PM + out, mass)
