@@ -228,7 +228,7 @@ if triton is not None:
         cnt = tl.sum(tl.load(PC + off), 0)
         mass = tl.sum(tl.load(PM + off), 0)
         ok = (cnt >= k) | (mass >= p_lim)
-        lo = tl.load(LO + b * (KEYBITS // RBITS + 1) + q)
+        lo = tl.load(LO + b * (KEYBITS // RBITS) + q)
         return lo + (tl.max(tl.where(ok, j, 0), 0).to(tl.int64) << (KEYBITS - RBITS * (q + 1)))
 
     @triton.jit
@@ -250,7 +250,7 @@ if triton is not None:
             lo = _thr_lo(PC + ((q - 1) % 2) * NB, PM + ((q - 1) % 2) * NB, LO, b, q - 1, k, p_lim, S, R, RBITS,
                          KEYBITS)
         if sp == 0:
-            tl.store(LO + b * (KEYBITS // RBITS + 1) + q, lo)
+            tl.store(LO + b * (KEYBITS // RBITS) + q, lo)
         lse, _ = _thr_lse(ST, b, S)
         inv = 1.0 / t
         j = tl.arange(0, R)
@@ -325,7 +325,7 @@ def threshold(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, to
     st = torch.empty(B, S, 3, dtype=torch.float32, device=dev)
     pc = torch.empty(2, B, S, R, dtype=torch.int32, device=dev)
     pm = torch.empty(2, B, S, R, dtype=torch.float32, device=dev)
-    lo = torch.empty(B, P + 1, dtype=torch.int64, device=dev)
+    lo = torch.empty(B, P, dtype=torch.int64, device=dev)  # each row's key prefix before each pass
     args = (logits, temps, top_k, top_p)
     _thr_stats_kernel[(B, S)](*args, st, V, logits.stride(0), S=S, CHUNK=chunk, BLOCK=block, num_warps=8)
     for q in range(P):

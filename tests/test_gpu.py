@@ -562,7 +562,7 @@ def test_route_kernel(M, D, E, k, func, hashed):
 def test_gumbel_sample_kernel(B, dtype):
     """One pass over the vocabulary gives the torch sampler's tokens exactly (same hash, division and log), from
     fp32 logits and from the decode step's bf16 ones; with top-k / top-p rows too (the kernel given the
-    thresholds of the one-launch search, the torch path its twin's from torch.topk or the sort)."""
+    thresholds of the radix search, the torch path its twin's from torch.topk or the sort)."""
     from tests.kernel_cases import sample_case
     for filters in ("plain", "top_k", "top_p"):
         bad, dlp = sample_case("cuda", B, 129280, dtype=dtype, filters=filters)
