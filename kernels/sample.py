@@ -180,7 +180,8 @@ if triton is not None:
     def _thr_stats_kernel(LOGITS, TEMP, TOPK, TOPP, ST, V, stride, S: tl.constexpr, CHUNK: tl.constexpr,
                           BLOCK: tl.constexpr):
         """Program (row b, slice sp): the slice's max of logits / t, its sum of exp(. - max) and its smallest
-        logit, into ST[b, sp]."""
+        logit, into ST[b, sp]. Each of the BLOCK element slots keeps its own through the loop (no reduction, so no
+        barrier, an iteration), reduced once at the end."""
         b, sp = tl.program_id(0), tl.program_id(1)
         off, k, p_lim, t = _thr_row(TEMP, TOPK, TOPP, b)
         if off:
@@ -188,19 +189,25 @@ if triton is not None:
         inv = 1.0 / t
         row = LOGITS + b.to(tl.int64) * stride
         r = tl.arange(0, BLOCK)
-        m = tl.full((), float("-inf"), tl.float32)
-        l = tl.full((), 0.0, tl.float32)
-        lo_v = tl.full((), float("inf"), tl.float32)
+        # each element slot keeps its own running max / sum / min; one reduction a program, after the loop
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK,), tl.float32)
+        lo_v = tl.full((BLOCK,), float("inf"), tl.float32)
         for i in range(0, CHUNK, BLOCK):
             v = sp * CHUNK + i + r
             mv = v < V
             x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
-            lo_v = tl.minimum(lo_v, tl.min(tl.where(mv, x, float("inf")), 0))
+            lo_v = tl.minimum(lo_v, tl.where(mv, x, float("inf")))
             s = x * inv
-            cm = tl.maximum(m, tl.max(s, 0))
+            cm = tl.maximum(m, s)
             cm0 = tl.where(cm == float("-inf"), 0.0, cm)
-            l = l * tl.exp(m - cm0) + tl.sum(tl.exp(s - cm0), 0)
+            l = l * tl.exp(m - cm0) + tl.exp(s - cm0)
             m = cm
+        mm = tl.max(m, 0)
+        mm0 = tl.where(mm == float("-inf"), 0.0, mm)
+        l = tl.sum(l * tl.exp(m - mm0), 0)
+        m = mm
+        lo_v = tl.min(lo_v, 0)
         base = ST + (b * S + sp) * 3
         tl.store(base, m)
         tl.store(base + 1, l)
@@ -257,23 +264,26 @@ if triton is not None:
         cand = _key_value(lo + (j.to(tl.int64) << (KEYBITS - RBITS * (q + 1))), KEYBITS, LOGITS.dtype.element_ty)
         row = LOGITS + b.to(tl.int64) * stride
         r = tl.arange(0, BLOCK)
-        cnt = tl.zeros((R,), tl.int32)
-        mass = tl.zeros((R,), tl.float32)
+        # counts and masses a (candidate, element slot): no reduction (so no barrier) an iteration, one at the end
+        cnt = tl.zeros((R, BLOCK), tl.int32)
+        mass = tl.zeros((R, BLOCK), tl.float32)
         if p_lim < float("inf"):
             for i in range(0, CHUNK, BLOCK):
                 v = sp * CHUNK + i + r
                 mv = v < V
                 x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
                 p = tl.exp(x * inv - lse)
-                ge = (x[:, None] >= cand[None, :]) & mv[:, None]  # (a NaN candidate's: none)
-                cnt += tl.sum(ge.to(tl.int32), 0)
-                mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+                ge = (x[None, :] >= cand[:, None]) & mv[None, :]  # (a NaN candidate's: none)
+                cnt += ge.to(tl.int32)
+                mass += tl.where(ge, p[None, :], 0.0)
         else:  # top-k alone: counts only (no mass reaches an infinite top_p)
             for i in range(0, CHUNK, BLOCK):
                 v = sp * CHUNK + i + r
                 mv = v < V
                 x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
-                cnt += tl.sum(((x[:, None] >= cand[None, :]) & mv[:, None]).to(tl.int32), 0)
+                cnt += ((x[None, :] >= cand[:, None]) & mv[None, :]).to(tl.int32)
+        cnt = tl.sum(cnt, 1)
+        mass = tl.sum(mass, 1)
         out = (q % 2) * NB + (b * S + sp) * R + j
         tl.store(PC + out, cnt)
         tl.store(PM + out, mass)
