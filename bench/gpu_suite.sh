@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each bounded in time, logs under $OUT (default bench/out). Parts by name:
-#   bash bench/gpu_suite.sh tests linears rollout release train sync grpo
-# (release: the engine and its FP8 linears at the release's layer shapes, one rollout GPU's 32 + 1 experts, 4 layers)
+#   bash bench/gpu_suite.sh tests linears rollout release sample train sync grpo
+# (release: the engine and its FP8 linears at the release's layer shapes, one rollout GPU's 32 + 1 experts, 4 layers;
+# sample: the sampler's kernels against their torch twins, and GRPO-shaped rollouts with top-p / top-k)
 # Triton's compiled kernels (in TRITON_CACHE_DIR, default Triton's own ~/.triton/cache): after the parts, the
 # binaries and metadata of everything in it go to $OUT/triton_cache.tar.gz. On a fresh machine TRITON_CACHE_TAR=that
 # file unpacks them first, so unchanged kernels are not compiled again (the part `tests` on an H200: 418 s cold, 38 s
 # from the cache). The cache's group files name their entries by absolute path: unpack into the same
 # TRITON_CACHE_DIR as they were made in (elsewhere Triton finds none of them and compiles, nothing worse).
 set -u
-PARTS="tests linears rollout release train sync grpo"
+PARTS="tests linears rollout release sample train sync grpo"
 for part in "$@"; do
   case " $PARTS " in
     *" $part "*) ;;
@@ -51,6 +52,13 @@ for part in "$@"; do
       grep -E "^fp8|^bf16|Error" "$OUT/rollout_release.log"
       timeout 200 python3 bench/fp8_linear.py --config configs/dsv4.yaml --batches 16,64 > "$OUT/linears_release.log" 2>&1
       grep -A12 "^summary" "$OUT/linears_release.log" ;;
+    sample)
+      timeout 200 python3 bench/sample.py --json "$OUT/sample.json" > "$OUT/sample.log" 2>&1
+      grep -E "^rows|Error" "$OUT/sample.log"
+      timeout 300 python3 bench/rollout.py --batches '' --bf16-batches '' --long-batch 0 --hf-batch 0 \
+        --grpo-sampling plain,top_p=0.9,top_k=50,top_k=50/top_p=0.9 --json "$OUT/rollout_sampling.json" \
+        > "$OUT/rollout_sampling.log" 2>&1
+      grep -E "^grpo|Error" "$OUT/rollout_sampling.log" ;;
     train)
       timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --json "$OUT/train1.json" 2>&1 | grep -E "MFU|Error"
       timeout 200 torchrun --standalone --nproc-per-node 1 bench/train.py --batch 4 --json "$OUT/train1_b4.json" 2>&1 | grep -E "MFU|Error"

@@ -113,21 +113,25 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
             "decode_gb_s": step_bytes / st["decode_s"] / 1e9, "bytes_per_step_mb": step_bytes / max(gen_len - 1, 1) / 1e6}
 
 
-def group_rollout(engine: Engine, prompts: int, group: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
-    """A GRPO step's rollout: `prompts` random prompts of prompt_len tokens, `group` samples each (temperature 1),
-    gen_len new tokens each; the wall time of engine.generate and the engine's own prefill and decode times, with
-    prefill's new sequences in padded groups and (the peer, Runner.batch_prefill off) one at a time. Each timed call
-    follows an untimed one of the same shapes (graphs captured, kernels compiled)."""
+def group_rollout(engine: Engine, prompts: int, group: int, prompt_len: int, gen_len: int, seed: int = 0,
+                  sampling: dict | None = None, paths=("grouped", "one_at_a_time")) -> dict:
+    """A GRPO step's rollout: `prompts` random prompts of prompt_len tokens, `group` samples each (temperature 1,
+    and `sampling`'s SamplingParams fields, e.g. top_p / top_k), gen_len new tokens each; the wall time of
+    engine.generate, the engine's own prefill and decode times and its decode step, with prefill's new sequences
+    in padded groups and (the peer, Runner.batch_prefill off) one at a time (`paths`: which of the two). Each
+    timed call follows an untimed one of the same shapes (graphs captured, kernels compiled)."""
     g = torch.Generator().manual_seed(seed)
     ps = [p for p in torch.randint(0, engine.cfg.vocab_size, (prompts, prompt_len), generator=g).tolist()
           for _ in range(group)]
-    sp = SamplingParams(temperature=1.0, max_tokens=gen_len, seed=seed, ignore_eos=True)
-    res = {"prompts": prompts, "group": group, "prompt_len": prompt_len, "gen_len": gen_len}
+    sp = SamplingParams(**{"temperature": 1.0, **(sampling or {}), "max_tokens": gen_len, "seed": seed,
+                           "ignore_eos": True})
+    res = {"prompts": prompts, "group": group, "prompt_len": prompt_len, "gen_len": gen_len,
+           "sampling": dict(sampling or {})}
     keep = engine.runner.batch_prefill
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     try:
-        for name, batched in (("grouped", True), ("one_at_a_time", False)):
-            engine.runner.batch_prefill = batched
+        for name in paths:
+            engine.runner.batch_prefill = name == "grouped"
             engine.generate(ps, sp)
             for k in engine.stats:
                 engine.stats[k] = 0 * engine.stats[k]
@@ -135,11 +139,35 @@ def group_rollout(engine: Engine, prompts: int, group: int, prompt_len: int, gen
             t0 = time.perf_counter()
             engine.generate(ps, sp)
             sync()
-            res[name] = {"wall_s": time.perf_counter() - t0, "prefill_s": engine.stats["prefill_s"],
-                         "decode_s": engine.stats["decode_s"]}
+            st = engine.stats
+            res[name] = {"wall_s": time.perf_counter() - t0, "prefill_s": st["prefill_s"],
+                         "decode_s": st["decode_s"], "step_ms": 1e3 * st["decode_s"] / max(1, st["decode_steps"])}
     finally:
         engine.runner.batch_prefill = keep
     return res
+
+
+def sampling_list(text: str) -> list[dict]:
+    """--grpo-sampling: comma-separated items, each 'plain' or fields joined by '/' (top_p=0.9, top_k=50,
+    temperature=0.7) -> SamplingParams keyword dicts; ValueError naming the item that is malformed or out of range."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kw = {}
+        for field in ([] if item == "plain" else item.split("/")):
+            key, eq, val = (t.strip() for t in field.partition("="))
+            if not eq or key not in ("top_p", "top_k", "temperature"):
+                raise ValueError(f"{field!r} in {item!r}: 'plain', or top_p=P / top_k=K / temperature=T joined by '/'")
+            if key in kw:
+                raise ValueError(f"{item!r}: {key} given twice")
+            try:
+                kw[key] = int(val) if key == "top_k" else float(val)
+            except ValueError:
+                raise ValueError(f"{field!r}: {key} takes {'an integer' if key == 'top_k' else 'a number'}") from None
+        SamplingParams(**kw)  # (a value out of range: its ValueError names the field)
+        out.append(kw)
+    if not out:
+        raise ValueError("no items ('plain' for the default)")
+    return out
 
 
 def hf_decode_rate(model, B: int, prompt_len: int, new_tokens: int) -> dict:
@@ -301,6 +329,9 @@ def main(argv=None):
                     "samples, --grpo-gen new tokens each (FP8): generate's wall time, prefill and decode, prefill's "
                     "new sequences grouped and one at a time ('' for none)")
     ap.add_argument("--grpo-gen", type=int, default=256)
+    ap.add_argument("--grpo-sampling", default="plain", help="the GRPO rollout's sampling, a comma list of 'plain' "
+                    "or fields joined by '/', e.g. plain,top_p=0.9,top_k=50,top_k=50/top_p=0.95: each item a "
+                    "rollout (the first also with prefill one prompt at a time)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="dotted.key=value on the config's model section, e.g. "
                     "model.num_hidden_layers=4 (the JSON's config names them)")
@@ -327,6 +358,10 @@ def main(argv=None):
     if grpo is None or (grpo and args.grpo_gen < 1):
         ap.error(f"--grpo {args.grpo!r} / --grpo-gen {args.grpo_gen}: P:G:L, three positive integers ('' for none), "
                  "and at least one new token")
+    try:
+        samplings = sampling_list(args.grpo_sampling)
+    except ValueError as e:
+        ap.error(f"--grpo-sampling {args.grpo_sampling!r}: {e}")
     ctxs = sizes("--long-ctx", args.long_ctx)
     profiles = []
     for item in filter(str.strip, args.profile.split(",")):
@@ -387,10 +422,15 @@ def main(argv=None):
     if grpo:
         P, G, L = grpo
         eng = Engine(model, fp8=True, dtype=torch.bfloat16, max_seqs=P * G, max_model_len=L + args.grpo_gen + 1)
-        res["grpo"] = r = group_rollout(eng, P, G, L, args.grpo_gen)
-        print(f"grpo rollout {P} prompts x {G}, prompt {L}, {args.grpo_gen} new: " + ", ".join(
-            f"{k.replace('_', ' ')} wall {v['wall_s']:.2f} s (prefill {v['prefill_s']:.2f}, decode {v['decode_s']:.2f})"
-            for k, v in r.items() if isinstance(v, dict)), flush=True)
+        res["grpo"] = []
+        for i, kw in enumerate(samplings):
+            res["grpo"].append(r := group_rollout(eng, P, G, L, args.grpo_gen, sampling=kw,
+                                                  paths=("grouped", "one_at_a_time") if i == 0 else ("grouped",)))
+            what = "/".join(f"{k}={v:g}" for k, v in kw.items()) or "plain"
+            print(f"grpo rollout {P} prompts x {G}, prompt {L}, {args.grpo_gen} new, {what}: " + ", ".join(
+                f"{k.replace('_', ' ')} wall {v['wall_s']:.2f} s (prefill {v['prefill_s']:.2f}, decode "
+                f"{v['decode_s']:.2f}, step {v['step_ms']:.2f} ms)" for k, v in r.items() if isinstance(v, dict) and
+                "wall_s" in v), flush=True)
         del eng
         gc.collect()
         torch.cuda.empty_cache()

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from bench.rollout import group_rollout, kernel_shares, main, profile_prefill, step_trace
+from bench.rollout import group_rollout, kernel_shares, main, profile_prefill, sampling_list, step_trace
 from model import ModelConfig, build_model
 from model.config import ConfigError, load_yaml
 from rollout_server import Engine
@@ -62,7 +62,9 @@ def test_rollout_bench_checks_its_config_before_the_gpu(monkeypatch):
     with pytest.raises(ConfigError, match="train.lr=1: only model"):
         main(["--config", "configs/tiny.yaml", "train.lr=1"])
     for flag, bad in (("--grpo", "32:8"), ("--grpo", "32:0:64"), ("--grpo", "a:8:64"), ("--profile-prefill", "4"),
-                      ("--profile-prefill", "4:0:1"), ("--profile-prefill", "0:16")):  # usage errors, before the GPU
+                      ("--profile-prefill", "4:0:1"), ("--profile-prefill", "0:16"), ("--grpo-sampling", ""),
+                      ("--grpo-sampling", "plain,top_p=1.5"), ("--grpo-sampling", "top_q=3"),
+                      ("--grpo-sampling", "top_k=5/top_k=6"), ("--grpo-sampling", "top_k=0.5")):  # before the GPU
         with pytest.raises(SystemExit) as e:
             main(["--config", "configs/tiny.yaml", flag, bad])
         assert e.value.code == 2
@@ -88,8 +90,18 @@ def test_group_rollout_times_both_prefill_paths():
     for k in ("grouped", "one_at_a_time"):
         t = r[k]
         assert 0 < t["prefill_s"] and 0 < t["decode_s"] and t["prefill_s"] + t["decode_s"] <= t["wall_s"]
+        assert t["step_ms"] * 3 == pytest.approx(1e3 * t["decode_s"])  # (3 decode steps: the first token is prefill's)
     assert eng.runner.batch_prefill
     assert eng.stats["prefill_tokens"] == 2 * 5 and eng.stats["decode_tokens"] == 6 * 3  # (the last call's)
+    # --grpo-sampling's other items: the grouped path only, the filter reaching the engine's requests
+    seen = []
+    real = eng.generate
+    eng.generate = lambda ps, sp: seen.append(sp) or real(ps, sp)
+    r = group_rollout(eng, 2, 3, 5, 4, sampling={"top_k": 5, "top_p": 0.9}, paths=("grouped",))
+    assert "one_at_a_time" not in r and r["sampling"] == {"top_k": 5, "top_p": 0.9} and r["grouped"]["wall_s"] > 0
+    assert [(sp.top_k, sp.top_p, sp.temperature, sp.max_tokens) for sp in seen] == [(5, 0.9, 1.0, 4)] * 2
+    assert sampling_list("plain, top_k=50/top_p=0.95,temperature=0.7") == [{}, {"top_k": 50, "top_p": 0.95},
+                                                                          {"temperature": 0.7}]
 
 
 def test_profile_prefill_reports_the_timed_prefill():
@@ -100,3 +112,24 @@ def test_profile_prefill_reports_the_timed_prefill():
     assert out[0].startswith("profile, BF16 prefill of 2 x 24 tokens: wall ") and "prompt tok/s" in out[0], out[0]
     shares = [float(line.split()[0]) for line in out[1:]]
     assert 0 < len(shares) <= 30 and shares == sorted(shares, reverse=True) and shares[0] > 0
+
+
+def test_sample_bench_runs_and_checks_its_arguments(tmp_path, capsys):
+    """bench/sample.py: a bad flag is a usage error naming it; the CPU smoke run (the twins on both sides) times
+    every filter and finds the kernels' path and the twins' tokens and thresholds equal."""
+    import json
+    from bench.sample import main as sample_main
+    for argv in (["--rows", "0"], ["--rows", "a"], ["--top-p", "1"], ["--top-k", "0"], ["--vocab", "1"],
+                 ["--filters", "top-p,topk"], ["--std", "0"]):
+        with pytest.raises(SystemExit) as e:
+            sample_main(argv)
+        assert e.value.code == 2, argv
+        assert argv[0] in capsys.readouterr().err
+    sample_main(["--device", "cpu", "--rows", "1,3", "--vocab", "300", "--top-k", "7", "--json", str(tmp_path / "s.json")])
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["device"] == "cpu" and [(r["rows"], r["filter"]) for r in res["rows"]] == \
+        [(b, f) for b in (1, 3) for f in ("plain", "top-p", "top-k", "both")]
+    for r in res["rows"]:
+        assert r["tokens_differing"] == 0 and r["draw_us"] > 0 and r["draw_twin_us"] > 0
+        assert r["filter"] == "plain" or (r["thresholds_differing"] == 0 and r["threshold_us"] > 0 and
+                                          r["sort_us" if r["filter"] == "top-p" else "topk_us"] > 0)
