@@ -180,8 +180,9 @@ if triton is not None:
     def _thr_stats_kernel(LOGITS, TEMP, TOPK, TOPP, ST, V, stride, S: tl.constexpr, CHUNK: tl.constexpr,
                           BLOCK: tl.constexpr):
         """Program (row b, slice sp): the slice's max of logits / t, its sum of exp(. - max) and its smallest
-        logit, into ST[b, sp]. Each of the BLOCK element slots keeps its own through the loop (no reduction, so no
-        barrier, an iteration), reduced once at the end."""
+        logit, into ST[b, sp] (a row with top-k alone: its smallest logit only, the max -inf and the sum 0). Each of
+        the BLOCK element slots keeps its own through the loop (no reduction, so no barrier, an iteration), reduced
+        once at the end."""
         b, sp = tl.program_id(0), tl.program_id(1)
         off, k, p_lim, t = _thr_row(TEMP, TOPK, TOPP, b)
         if off:
@@ -190,37 +191,46 @@ if triton is not None:
         row = LOGITS + b.to(tl.int64) * stride
         r = tl.arange(0, BLOCK)
         # each element slot keeps its own running max / sum / min; one reduction a program, after the loop
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK,), tl.float32)
         lo_v = tl.full((BLOCK,), float("inf"), tl.float32)
-        for i in range(0, CHUNK, BLOCK):
-            v = sp * CHUNK + i + r
-            mv = v < V
-            x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
-            lo_v = tl.minimum(lo_v, tl.where(mv, x, float("inf")))
-            s = x * inv
-            cm = tl.maximum(m, s)
-            cm0 = tl.where(cm == float("-inf"), 0.0, cm)
-            l = l * tl.exp(m - cm0) + tl.exp(s - cm0)
-            m = cm
-        mm = tl.max(m, 0)
-        mm0 = tl.where(mm == float("-inf"), 0.0, mm)
-        l = tl.sum(l * tl.exp(m - mm0), 0)
-        m = mm
+        m_all = tl.full((), float("-inf"), tl.float32)  # (a row with top-k alone sums no mass: no logsumexp)
+        l_all = tl.full((), 0.0, tl.float32)
+        if p_lim < float("inf"):
+            m = tl.full((BLOCK,), float("-inf"), tl.float32)
+            l = tl.zeros((BLOCK,), tl.float32)
+            for i in range(0, CHUNK, BLOCK):
+                v = sp * CHUNK + i + r
+                mv = v < V
+                x = tl.load(row + v, mask=mv, other=float("-inf")).to(tl.float32)
+                lo_v = tl.minimum(lo_v, tl.where(mv, x, float("inf")))
+                s = x * inv
+                cm = tl.maximum(m, s)
+                cm0 = tl.where(cm == float("-inf"), 0.0, cm)
+                l = l * tl.exp(m - cm0) + tl.exp(s - cm0)
+                m = cm
+            m_all = tl.max(m, 0)
+            l_all = tl.sum(l * tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all)), 0)
+        else:
+            for i in range(0, CHUNK, BLOCK):
+                v = sp * CHUNK + i + r
+                lo_v = tl.minimum(lo_v, tl.load(row + v, mask=v < V, other=float("inf")).to(tl.float32))
         lo_v = tl.min(lo_v, 0)
         base = ST + (b * S + sp) * 3
-        tl.store(base, m)
-        tl.store(base + 1, l)
+        tl.store(base, m_all)
+        tl.store(base + 1, l_all)
         tl.store(base + 2, lo_v)
 
     @triton.jit
     def _thr_lse(ST, b, S: tl.constexpr):
-        """Row b's logsumexp of logits / t and smallest logit, from its S slices' stats (in slice order)."""
+        """Row b's logsumexp of logits / t and smallest logit, from its S slices' stats (in slice order). The sum
+        is at least 1 (the max's own term), so the clamp changes nothing but a row with top-k alone (no slice
+        summed: 0, unread)."""
         sl = tl.arange(0, S)
         base = ST + (b * S + sl) * 3
         m = tl.load(base)
         mm = tl.max(m, 0)
-        return mm + tl.log(tl.sum(tl.load(base + 1) * tl.exp(m - mm), 0)), tl.min(tl.load(base + 2), 0)
+        mm0 = tl.where(mm == float("-inf"), 0.0, mm)
+        return mm0 + tl.log(tl.maximum(tl.sum(tl.load(base + 1) * tl.exp(m - mm0), 0), 1.0)), \
+            tl.min(tl.load(base + 2), 0)
 
     @triton.jit
     def _thr_lo(PC, PM, LO, b, q, k, p_lim, S: tl.constexpr, R: tl.constexpr, RBITS: tl.constexpr,
