@@ -1,5 +1,6 @@
 """Kernels: torch references against the model's own math (CPU, always); Triton kernels against the references
 under Triton's interpreter (CPU, when triton is installed) and on a GPU (when one is present)."""
+import json
 import os
 import subprocess
 import sys
@@ -565,11 +566,54 @@ def test_to_host_alternates_rows_and_counts():
     assert to_host_case("cpu")
 
 
-def test_triton_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
+def _interpreted(code: str, tmp_path, timeout: int) -> list[dict]:
+    """Run code (which prints "ok") under Triton's interpreter in a subprocess, its launches recorded
+    (tests.launches.record) -> the records."""
+    rec = tmp_path / "launches.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    pre = f"from tests.launches import record\nrecord({str(rec)!r})\n"
+    r = subprocess.run([sys.executable, "-c", pre + code], capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    return json.loads(rec.read_text())
+
+
+def _compiles_for_the_gpus(records: list[dict]):
+    """Each recorded kernel (one launch of each set of argument types and flags) compiles for NVIDIA sm90 and AMD
+    gfx942 (float8_e4m3fnuz), with Triton's compilers on the CPU."""
+    from tests.launches import TARGETS, compile_all, representatives
+    for target in TARGETS:
+        bad = compile_all(representatives(records), target)
+        assert not bad, f"{target}: {len(bad)} failed\n" + "\n".join(f"{w}\n  {e}" for w, e in bad)
+
+
+def test_triton_kernels_under_the_interpreter(tmp_path):
+    """The kernels against their torch twins under Triton's interpreter; then every kernel the run launched,
+    compiled for sm90 and gfx942 (tests.launches). CPU, a few minutes (skipped without Triton, as on CI)."""
+    pytest.importorskip("triton")
+    records = _interpreted(INTERPRETED, tmp_path, 600)
+    _compiles_for_the_gpus(records)
+
+
+def test_launch_records_compile_for_each_target():
+    """tests.launches: a recorded launch as each target gets it (PDL on sm90 only; the fp32 products' passes and
+    the FP8 type of the target), and a compile failure is reported, not passed over."""
+    pytest.importorskip("triton")
+    from tests.launches import _compile, for_target
+    mix = {"kernel": "kernels.fused:_hc_mix_kernel",
+           "signature": {"X": "*fp32", "FN": "*fp32", "PART": "*fp32", "M": "i32", **{n: "constexpr" for n in (
+               "F", "MIX", "MIXP", "SPLIT", "CHUNK", "BM", "BK", "SSQ", "PREC", "PDL")}},
+           "constexprs": {"F": 192, "MIX": 8, "MIXP": 16, "SPLIT": 3, "CHUNK": 64, "BM": 16, "BK": 64, "SSQ": True,
+                          "PREC": "tf32x3", "PDL": False}, "options": {"num_warps": 4}}
+    nv, amd = for_target(mix, "sm90"), for_target(mix, "gfx942")
+    assert (nv["constexprs"]["PDL"], nv["options"]["launch_pdl"], nv["constexprs"]["PREC"]) == (True, True, "tf32x3")
+    assert (amd["constexprs"]["PDL"], amd["options"]["launch_pdl"], amd["constexprs"]["PREC"]) == \
+        (False, False, "bf16x6")
+    assert _compile(nv, "sm90") is None and _compile(amd, "gfx942") is None
+    assert "input_precision" in _compile(mix, "gfx942")  # CUDA's tf32x3 on AMD: refused, and said
+    up = {"kernel": "kernels.moe:_moe_up_kernel", "signature": {"X": "*fp8e4nv", "W1": "*fp8e4nv"},
+          "constexprs": {}, "options": {"maxnreg": 128}}
+    amd = for_target(up, "gfx942")
+    assert amd["signature"] == {"X": "*fp8e4b8", "W1": "*fp8e4b8"} and "maxnreg" not in amd["options"]
 
 
 ENGINE_INTERPRETED = textwrap.dedent("""
@@ -620,17 +664,15 @@ print("ok")
 """)
 
 
-def test_fp8_paged_engine_under_the_interpreter():
+def test_fp8_paged_engine_under_the_interpreter(tmp_path):
     """The paged FP8 engine on the decode path's Triton kernels (3 rows a step, widths in 128s: the mHC pre and
     q-norm kernels' quantized rows feed the FP8 linears and the experts; the index_topk kernel's choices
     recorded; then a one-row step: the GEMV kernels, wq_b's taking the q norm) and prefill's attention kernel
-    (whole prompts, and prompts in chunks) against the simple engine: tokens, routing and the indexer's choices.
-    CPU, a few minutes (skipped without Triton, as on CI)."""
+    (whole prompts, and prompts in chunks) against the simple engine: tokens, routing and the indexer's choices;
+    then its kernels compiled for sm90 and gfx942 (tests.launches). CPU, a few minutes (skipped without Triton, as
+    on CI)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-c", ENGINE_INTERPRETED], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    _compiles_for_the_gpus(_interpreted(ENGINE_INTERPRETED, tmp_path, 900))
 
 
 def test_tickets_grow_without_freeing_the_old_counters():

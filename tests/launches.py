@@ -1,0 +1,165 @@
+"""Every Triton kernel a CPU run launches, compiled for the GPUs we target (no GPU needed).
+
+Under TRITON_INTERPRET=1 the kernels run on the CPU, so a GPU-only failure (a construct the GPU compilers refuse,
+an FP8 type one target lacks) shows up only on that GPU. `record(path)` notes each launch's specialization (the
+kernel, its arguments' types, its constexprs and launch options) as the interpreter runs it and writes them to
+path at exit; `compile_all(records, target)` compiles each for a GPU target with Triton's own compilers, which run
+on the CPU: NVIDIA sm90 (H100 / H200) and AMD gfx942 (MI300X: FP8 pointers as float8_e4m3fnuz, its FP8 type).
+
+The interpreter takes a few constexprs from the device (the CPU's values are not the GPUs'); on the targets they
+are what a GPU launch passes: DEVICE_FLAGS below.
+
+    python -m tests.launches RECORDS.json [sm90,gfx942] [--all]   # compile a recorded run's launches
+
+By default one launch of each kernel, argument types and non-integer constexprs (the flags that pick code paths)
+is compiled, the first recorded; --all compiles every recorded specialization (sizes too).
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import inspect
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+# constexprs a launch takes from its device: their values on GPUs (DYNAMIC: sizes as runtime values, so the caps
+# the interpreter needs are 0; LIBDEVICE: libdevice's log; PDL: NVIDIA sm90's dependent launch, never ROCm's)
+DEVICE_FLAGS = {"DYNAMIC": True, "LIBDEVICE": True, "SCAP": 0, "NCAP": 0, "S_C": 0, "NB_C": 0}
+TARGETS = {"sm90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
+# kernels.fp8_gemm.F32_DOT, the fp32 products' tensor-core passes, on each target (the CPU's is CUDA's)
+F32_DOT = {"sm90": "tf32x3", "gfx942": "bf16x6"}
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+
+
+def _constexprs(fn) -> set[str]:
+    """The parameters of a @triton.jit function annotated tl.constexpr (string annotations too)."""
+    return {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+def spec(kernel, args, kwargs) -> dict:
+    """One launch's specialization: {"kernel": "module:name", "signature": {arg: type or "constexpr"},
+    "constexprs": {arg: value}, "options": {...}}; tensors by their element type, None and constexprs by value."""
+    from triton.runtime.jit import mangle_type
+    fn = kernel.fn
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    for n, p in params.items():
+        if n not in bound and p.default is not inspect.Parameter.empty:
+            bound[n] = p.default
+    const = _constexprs(fn)
+    sig, consts = {}, {}
+    for n in params:
+        v = bound[n]
+        if n in const or v is None:
+            sig[n] = "constexpr"
+            consts[n] = v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+        else:
+            sig[n] = mangle_type(v)
+    return {"kernel": f"{fn.__module__}:{fn.__name__}", "signature": sig, "constexprs": consts,
+            "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
+
+
+def record(path: str):
+    """Note every interpreted launch's specialization from here on (each once); written to path at exit."""
+    from triton.runtime.interpreter import InterpretedFunction
+    seen = {}
+    run = InterpretedFunction.run
+
+    def noting(self, *args, grid, warmup, **kwargs):
+        s = spec(self, args, kwargs)
+        seen.setdefault(json.dumps(s, sort_keys=True), s)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    InterpretedFunction.run = noting
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(list(seen.values()), f)
+    atexit.register(dump)
+
+
+def for_target(s: dict, target: str) -> dict:
+    """A recorded specialization as a launch on `target` gives it (DEVICE_FLAGS; PDL on sm90 only; FP8 pointers
+    in the target's FP8 type)."""
+    sig, consts, opts = dict(s["signature"]), dict(s["constexprs"]), dict(s["options"])
+    for n, v in DEVICE_FLAGS.items():
+        if n in consts:
+            consts[n] = v
+    if "PDL" in consts:
+        consts["PDL"] = opts["launch_pdl"] = target == "sm90"
+    for n, v in consts.items():
+        if v in F32_DOT.values():
+            consts[n] = F32_DOT[target]
+    if target == "gfx942":
+        sig = {n: t.replace("fp8e4nv", "fp8e4b8") for n, t in sig.items()}
+        opts.pop("maxnreg", None)
+    return {"kernel": s["kernel"], "signature": sig, "constexprs": consts, "options": opts}
+
+
+def representatives(records: list[dict]) -> list[dict]:
+    """The first record of each kernel, argument types and non-integer constexprs (flags and modes)."""
+    out = {}
+    for s in records:
+        flags = {n: v for n, v in s["constexprs"].items() if isinstance(v, bool) or not isinstance(v, int)}
+        out.setdefault(json.dumps([s["kernel"], s["signature"], flags, s["options"]], sort_keys=True), s)
+    return list(out.values())
+
+
+def _compile(t: dict, target: str) -> str | None:
+    """Compile one specialization for target -> None, or the compiler's error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    mod, name = t["kernel"].split(":")
+    fn = getattr(importlib.import_module(mod), name)
+    try:
+        triton.compile(ASTSource(fn=fn, signature=t["signature"], constexprs=t["constexprs"]),
+                       target=GPUTarget(*TARGETS[target]), options=t["options"])
+    except Exception as e:  # noqa: BLE001 (the compilers' errors are of many kinds; each is reported)
+        return f"{type(e).__name__}: {str(e)[-1500:]}"
+    return None
+
+
+def compile_all(records: list[dict], target: str, jobs: int | None = None) -> list[tuple[str, str]]:
+    """Compile each record for target ("sm90" or "gfx942"), each distinct one once, over `jobs` processes (default:
+    the CPUs) -> [(kernel and constexprs, the error)] of those that fail."""
+    todo = {}
+    for s in records:
+        t = for_target(s, target)
+        todo.setdefault(json.dumps(t, sort_keys=True), t)
+    todo = list(todo.values())
+    env = os.environ.pop("TRITON_INTERPRET", None)  # (the workers compile; an interpreter's kernels cannot)
+    try:
+        with ProcessPoolExecutor(jobs or os.cpu_count() or 1, mp_context=get_context("spawn")) as pool:
+            errs = list(pool.map(_compile, todo, [target] * len(todo)))
+    finally:
+        if env is not None:
+            os.environ["TRITON_INTERPRET"] = env
+    return [(f"{t['kernel']} {t['constexprs']}", e) for t, e in zip(todo, errs) if e is not None]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    every = "--all" in argv
+    argv = [a for a in argv if a != "--all"]
+    if not argv or len(argv) > 2:
+        raise SystemExit("usage: python -m tests.launches RECORDS.json [sm90,gfx942] [--all]")
+    records = json.load(open(argv[0]))
+    chosen = records if every else representatives(records)
+    failed = 0
+    for target in (argv[1] if len(argv) > 1 else ",".join(TARGETS)).split(","):
+        if target not in TARGETS:
+            raise SystemExit(f"tests.launches: no target {target!r} (the targets: {', '.join(TARGETS)})")
+        bad = compile_all(chosen, target)
+        print(f"{target}: {len(records)} launches recorded, {len(chosen)} compiled, {len(bad)} failed")
+        for what, err in bad:
+            print(f"  {what}\n    {err}")
+        failed += len(bad)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
