@@ -92,9 +92,9 @@ def main(argv=None):
         graph_us = wall_us
 
     dev, V = args.device, args.vocab
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, "vocab": V, "std": args.std,
-           "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True).stdout.strip(), "rows": []}
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+           "vocab": V, "std": args.std, "commit": commit, "rows": []}
     print(f"{res['device']}, commit {res['commit']}, vocab {V}, bf16 logits N(0, {args.std:g}^2), us a call "
           + ("(a CUDA graph's share)" if dev == "cuda" else "(eager, the host's clock: a smoke run)"), flush=True)
     g = torch.Generator(dev).manual_seed(0)

@@ -125,7 +125,8 @@ def test_sample_bench_runs_and_checks_its_arguments(tmp_path, capsys):
             sample_main(argv)
         assert e.value.code == 2, argv
         assert argv[0] in capsys.readouterr().err
-    sample_main(["--device", "cpu", "--rows", "1,3", "--vocab", "300", "--top-k", "7", "--json", str(tmp_path / "s.json")])
+    sample_main(["--device", "cpu", "--rows", "1,3", "--vocab", "300", "--top-k", "7",
+                 "--json", str(tmp_path / "s.json")])
     res = json.loads((tmp_path / "s.json").read_text())
     assert res["device"] == "cpu" and [(r["rows"], r["filter"]) for r in res["rows"]] == \
         [(b, f) for b in (1, 3) for f in ("plain", "top-p", "top-k", "both")]

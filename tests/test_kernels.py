@@ -578,7 +578,7 @@ def _interpreted(code: str, tmp_path, timeout: int) -> list[dict]:
 
 
 def _compiles_for_the_gpus(records: list[dict]):
-    """Each recorded kernel (one launch of each set of argument types and flags) compiles for NVIDIA sm90 and AMD
+    """Each recorded kernel (two launches of each set of argument types and flags) compiles for NVIDIA sm90 and AMD
     gfx942 (float8_e4m3fnuz), with Triton's compilers on the CPU."""
     from tests.launches import TARGETS, compile_all, representatives
     for target in TARGETS:
