@@ -64,9 +64,6 @@ def parse(argv=None):
     return args
 
 
-L2_BYTES = 256 << 20  # the logits a timed graph cycles through: well past any GPU's L2
-
-
 def wall_us(fns, iters: int = 3) -> float:
     """Microseconds a call of fns (no-argument callables), eager, by the host's clock (the CPU smoke run)."""
     for f in fns:
@@ -86,10 +83,10 @@ def main(argv=None):
     from kernels.fp8_gemm import use_triton
     from kernels.sample import gumbel_sample, threshold
     from rollout_server import filter_threshold, sample_filtered, sample_plain
-    if args.device == "cuda":
-        from bench.fp8_linear import graph_us
+    if args.device == "cuda":  # (bench.fp8_linear imports triton: GPUs only)
+        from bench.fp8_linear import copies, graph_us
     else:
-        graph_us = wall_us
+        copies, graph_us = (lambda nbytes: 1), wall_us
 
     dev, V = args.device, args.vocab
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
@@ -99,7 +96,7 @@ def main(argv=None):
           + ("(a CUDA graph's share)" if dev == "cuda" else "(eager, the host's clock: a smoke run)"), flush=True)
     g = torch.Generator(dev).manual_seed(0)
     for B in args.rows:
-        n = max(2, min(64, -(-L2_BYTES // (B * V * 2)))) if dev == "cuda" else 1  # copies: together past the L2
+        n = copies(B * V * 2)  # copies of the logits, together past the L2
         logits = [(torch.randn(B, V, device=dev, generator=g) * args.std).to(torch.bfloat16) for _ in range(n)]
         temps = torch.ones(B, device=dev)
         seeds = torch.randint(0, 2 ** 62, (B,), device=dev, generator=g)
