@@ -9,10 +9,11 @@ on the CPU: NVIDIA sm90 (H100 / H200) and AMD gfx942 (MI300X: FP8 pointers as fl
 The interpreter takes a few constexprs from the device (the CPU's values are not the GPUs'); on the targets they
 are what a GPU launch passes: DEVICE_FLAGS below.
 
-    python -m tests.launches RECORDS.json [sm90,gfx942] [--all]   # compile a recorded run's launches
+    python -m tests.launches RECORDS.json [sm90,gfx942] [--all] [--resources]   # compile a recorded run's launches
 
 By default two launches of each kernel, argument types and non-integer constexprs (the flags that pick code paths)
 are compiled, the first and the last recorded; --all compiles every recorded specialization (sizes too).
+--resources: each target's registers a thread, and the kernels that spill to scratch memory.
 """
 from __future__ import annotations
 
@@ -114,27 +115,51 @@ def representatives(records: list[dict]) -> list[dict]:
     return [x for g in groups.values() for x in (g[:1] if len(g) == 1 else [g[0], g[-1]])]
 
 
-def _compile(t: dict, target: str) -> str | None:
-    """Compile one specialization for target -> None, or the compiler's error."""
+def _resources(kernel, target: str) -> dict:
+    """A compiled kernel's registers a thread and the scratch (local) memory it spills to: sm90 from cuobjdump's
+    resource usage of its cubin (Triton's own binary), gfx942 from the amdgcn's metadata (VGPRs)."""
+    import re
+    if target == "gfx942":
+        a = kernel.asm["amdgcn"]
+        get = (lambda pat: int((re.findall(pat, a) or [-1])[0]))
+        return {"registers": get(r"\.vgpr_count:\s+(\d+)"), "spilled": get(r"\.vgpr_spill_count:\s+(\d+)"),
+                "scratch_bytes": get(r"ScratchSize:\s+(\d+)")}
+    import subprocess
+    import tempfile
+    import triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        use = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"),
+                              "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    get = (lambda key: int((re.findall(rf"{key}:(\d+)", use) or [-1])[0]))
+    return {"registers": get("REG"), "spilled": None, "scratch_bytes": get("STACK") + max(0, get("LOCAL"))}
+
+
+def _compile(t: dict, target: str, resources: bool = False):
+    """Compile one specialization for target -> (None, or the compiler's error; with `resources`, _resources'
+    figures)."""
     if t.get("unrecorded"):
         return (f"constexprs {t['unrecorded']} hold values of types tests.launches.spec does not record "
-                f"({', '.join(str(t['constexprs'][n]) for n in t['unrecorded'])}): extend it")
+                f"({', '.join(str(t['constexprs'][n]) for n in t['unrecorded'])}): extend it"), None
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     mod, name = t["kernel"].split(":")
     fn = getattr(importlib.import_module(mod), name)
     try:
-        triton.compile(ASTSource(fn=fn, signature=t["signature"], constexprs=t["constexprs"]),
-                       target=GPUTarget(*TARGETS[target]), options=t["options"])
+        k = triton.compile(ASTSource(fn=fn, signature=t["signature"], constexprs=t["constexprs"]),
+                           target=GPUTarget(*TARGETS[target]), options=t["options"])
     except Exception as e:  # noqa: BLE001 (the compilers' errors are of many kinds; each is reported)
-        return f"{type(e).__name__}: {str(e)[-1500:]}"
-    return None
+        return f"{type(e).__name__}: {str(e)[-1500:]}", None
+    return None, (_resources(k, target) if resources else None)
 
 
-def compile_all(records: list[dict], target: str, jobs: int | None = None) -> list[tuple[str, str]]:
+def compile_all(records: list[dict], target: str, jobs: int | None = None, resources: list | None = None
+                ) -> list[tuple[str, str]]:
     """Compile each record for target ("sm90" or "gfx942"), each distinct one once, over `jobs` processes (default:
-    the CPUs) -> [(kernel and constexprs, the error)] of those that fail."""
+    the CPUs) -> [(kernel and constexprs, the error)] of those that fail. resources: a list to append (kernel and
+    constexprs, _resources' figures) of each compiled one to."""
     todo = {}
     for s in records:
         t = for_target(s, target)
@@ -143,30 +168,41 @@ def compile_all(records: list[dict], target: str, jobs: int | None = None) -> li
     env = os.environ.pop("TRITON_INTERPRET", None)  # (the workers compile; an interpreter's kernels cannot)
     try:
         with ProcessPoolExecutor(jobs or os.cpu_count() or 1, mp_context=get_context("spawn")) as pool:
-            errs = list(pool.map(_compile, todo, [target] * len(todo)))
+            outs = list(pool.map(_compile, todo, [target] * len(todo), [resources is not None] * len(todo)))
     finally:
         if env is not None:
             os.environ["TRITON_INTERPRET"] = env
-    return [(f"{t['kernel']} {t['constexprs']}", e) for t, e in zip(todo, errs) if e is not None]
+    what = [f"{t['kernel']} {t['constexprs']} {t['options']}" for t in todo]
+    if resources is not None:
+        resources += [(w, r) for w, (_, r) in zip(what, outs) if r is not None]
+    return [(w, e) for w, (e, _) in zip(what, outs) if e is not None]
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    every = "--all" in argv
-    argv = [a for a in argv if a != "--all"]
-    if not argv or len(argv) > 2:
-        raise SystemExit("usage: python -m tests.launches RECORDS.json [sm90,gfx942] [--all]")
+    flags = {a for a in argv if a.startswith("--")}
+    argv = [a for a in argv if not a.startswith("--")]
+    if not argv or len(argv) > 2 or flags - {"--all", "--resources"}:
+        raise SystemExit("usage: python -m tests.launches RECORDS.json [sm90,gfx942] [--all] [--resources]")
     records = json.load(open(argv[0]))
-    chosen = records if every else representatives(records)
+    chosen = records if "--all" in flags else representatives(records)
     failed = 0
     for target in (argv[1] if len(argv) > 1 else ",".join(TARGETS)).split(","):
         if target not in TARGETS:
             raise SystemExit(f"tests.launches: no target {target!r} (the targets: {', '.join(TARGETS)})")
-        bad = compile_all(chosen, target)
+        res = [] if "--resources" in flags else None
+        bad = compile_all(chosen, target, resources=res)
         print(f"{target}: {len(records)} launches recorded, {len(chosen)} compiled, {len(bad)} failed")
         for what, err in bad:
             print(f"  {what}\n    {err}")
         failed += len(bad)
+        if res is not None:  # the kernels that spill to scratch memory (a register file too small for their tiles)
+            spill = sorted((r for r in res if r[1]["scratch_bytes"] > 0), key=lambda r: -r[1]["scratch_bytes"])
+            print(f"  registers a thread up to {max((r['registers'] for _, r in res), default=0)}; "
+                  f"{len(spill)} of {len(res)} use scratch memory" + (":" if spill else ""))
+            for what, r in spill:
+                print(f"    {r['scratch_bytes']} bytes, {r['registers']} registers"
+                      + (f", {r['spilled']} spilled" if r["spilled"] is not None else "") + f": {what}")
     raise SystemExit(1 if failed else 0)
 
 

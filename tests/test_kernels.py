@@ -608,8 +608,11 @@ def test_launch_records_compile_for_each_target():
     assert (nv["constexprs"]["PDL"], nv["options"]["launch_pdl"], nv["constexprs"]["PREC"]) == (True, True, "tf32x3")
     assert (amd["constexprs"]["PDL"], amd["options"]["launch_pdl"], amd["constexprs"]["PREC"]) == \
         (False, False, "bf16x6")
-    assert _compile(nv, "sm90") is None and _compile(amd, "gfx942") is None
-    assert "input_precision" in _compile(mix, "gfx942")  # CUDA's tf32x3 on AMD: refused, and said
+    (e_nv, r_nv), (e_amd, r_amd) = _compile(nv, "sm90", True), _compile(amd, "gfx942", True)
+    assert e_nv is None and e_amd is None and _compile(nv, "sm90") == (None, None)
+    assert 0 < r_nv["registers"] <= 255 and 0 < r_amd["registers"] <= 512 and r_amd["spilled"] >= 0
+    assert r_nv["scratch_bytes"] >= 0 and r_amd["scratch_bytes"] >= 0
+    assert "input_precision" in _compile(mix, "gfx942")[0]  # CUDA's tf32x3 on AMD: refused, and said
     up = {"kernel": "kernels.moe:_moe_up_kernel", "signature": {"X": "*fp8e4nv", "W1": "*fp8e4nv"},
           "constexprs": {}, "options": {"maxnreg": 128}}
     amd = for_target(up, "gfx942")
