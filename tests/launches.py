@@ -1,10 +1,11 @@
-"""Every Triton kernel a CPU run launches, compiled for the GPUs we target (no GPU needed).
+"""Every Triton kernel a run launches, compiled for the GPUs we target (no GPU needed to compile).
 
 Under TRITON_INTERPRET=1 the kernels run on the CPU, so a GPU-only failure (a construct the GPU compilers refuse,
 an FP8 type one target lacks) shows up only on that GPU. `record(path)` notes each launch's specialization (the
-kernel, its arguments' types, its constexprs and launch options) as the interpreter runs it and writes them to
-path at exit; `compile_all(records, target)` compiles each for a GPU target with Triton's own compilers, which run
-on the CPU: NVIDIA sm90 (H100 / H200) and AMD gfx942 (MI300X: FP8 pointers as float8_e4m3fnuz, its FP8 type).
+kernel, its arguments' types, its constexprs and launch options) as the interpreter, or a GPU, runs it, and
+writes them to path at exit; `compile_all(records, target)` compiles each for a GPU target with Triton's own
+compilers, which run on the CPU: NVIDIA sm90 (H100 / H200) and AMD gfx942 (MI300X: FP8 pointers as
+float8_e4m3fnuz, its FP8 type). A GPU run's records carry its own sizes (mini's tiles, say), for --resources.
 
 The interpreter takes a few constexprs from the device (the CPU's values are not the GPUs'); on the targets they
 are what a GPU launch passes: DEVICE_FLAGS below.
@@ -70,16 +71,21 @@ def spec(kernel, args, kwargs) -> dict:
 
 
 def record(path: str):
-    """Note every interpreted launch's specialization from here on (each once); written to path at exit."""
+    """Note every launch's specialization from here on (each once), interpreted or compiled (a GPU run: its real
+    sizes, for --resources on both targets); written to path at exit."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
     seen = {}
-    run = InterpretedFunction.run
 
-    def noting(self, *args, grid, warmup, **kwargs):
-        s = spec(self, args, kwargs)
-        seen.setdefault(json.dumps(s, sort_keys=True), s)
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-    InterpretedFunction.run = noting
+    def noting(run):
+        def launch(self, *args, grid, warmup, **kwargs):
+            if not warmup:
+                s = spec(self, args, kwargs)
+                seen.setdefault(json.dumps(s, sort_keys=True), s)
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return launch
+    InterpretedFunction.run = noting(InterpretedFunction.run)
+    JITFunction.run = noting(JITFunction.run)
 
     def dump():
         with open(path, "w") as f:

@@ -594,6 +594,38 @@ def test_triton_kernels_under_the_interpreter(tmp_path):
     _compiles_for_the_gpus(records)
 
 
+def test_record_notes_compiled_launches_too(tmp_path):
+    """tests.launches.record on a GPU run: JITFunction launches are noted (each specialization once, warm-ups not)
+    and still launched. The GPU's launch is stood in for, so this runs on the CPU."""
+    pytest.importorskip("triton")
+    rec = tmp_path / "launches.json"
+    code = textwrap.dedent(f"""
+        import torch
+        from triton.runtime.jit import JITFunction
+        launched = []
+        JITFunction.run = lambda self, *a, grid, warmup, **k: launched.append((self.fn.__name__, grid, warmup))
+        from tests.launches import record
+        record({str(rec)!r})
+        from kernels.fused import _swiglu_kernel
+        x = torch.zeros(8)
+        for _ in range(2):
+            _swiglu_kernel[(1,)](x, x, x, 8, 7.0, BLOCK=16)
+        _swiglu_kernel[(1,)](x, x, x.bfloat16(), 8, 7.0, BLOCK=32)
+        _swiglu_kernel.warmup(x, x, x, 8, 7.0, BLOCK=64, grid=(1,))
+        assert [w for _, _, w in launched] == [False, False, False, True], launched
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    got = json.loads(rec.read_text())
+    assert [(s["kernel"], s["signature"]["Y"], s["constexprs"]) for s in got] == [
+        ("kernels.fused:_swiglu_kernel", "*fp32", {"BLOCK": 16}),
+        ("kernels.fused:_swiglu_kernel", "*bf16", {"BLOCK": 32})]
+    assert got[0]["signature"] == {"G": "*fp32", "U": "*fp32", "Y": "*fp32", "n": "i32", "limit": "fp32",
+                                   "BLOCK": "constexpr"}
+
+
 def test_launch_records_compile_for_each_target():
     """tests.launches: a recorded launch as each target gets it (PDL on sm90 only; the fp32 products' passes and
     the FP8 type of the target), and a compile failure is reported, not passed over."""
