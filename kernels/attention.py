@@ -263,7 +263,8 @@ if triton is not None:
                    db * BLOCK_D, OQ, OS, r * (D // BLOCK_D) + db, fmax, 1, BLOCK_D, D, HALF, QUANT)
 
 
-def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int) -> tuple[int, int, int, bool, int]:
+def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int, d: int = 512, hip: bool = False
+               ) -> tuple[int, int, int, bool, int]:
     """(splits of the key range per (token, head block), keys a loop step, pipeline depth, merge in the kernel,
     warps). Measured on an H200 at mini's shapes (16 heads of 512, window 128, sel 512; bench/RESULTS.md): under 32
     (token, head block) tiles the step is latency-bound: about 128 programs of 32-key steps, merged by the combine
@@ -277,16 +278,30 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int) -> tu
     9.4 in 20). More tiles than SMs (sms): one program a tile on 4 warps in 32-key steps 3 deep, so two fit an SM
     where 8 warps take one a wave (256 rows, us a call, 8 warps in 64-key steps against these: the window 17.1
     against 16.0, every CSA entry of ~47 34.4 against 25.3 and of ~255 61.9 against 46.8, HCA 30.7 against 20.8;
-    at 128 rows 8 warps were the faster everywhere)."""
+    at 128 rows 8 warps were the faster everywhere).
+    hip (ROCm): key steps of at most max(16, 4096 // d) keys (16 at d >= 256), the splits counted in them, and
+    8-warp programs 2 deep. AMD gfx942's compiler (Triton 3.6, run on the CPU: tests.launches) caps an 8-warp
+    program at 256 VGPRs, and the plan's wider steps spill there: at d 512, 32-key steps 456-498 VGPRs (1.4-1.6 KB
+    of scratch a thread), 64-key 751-781, 4 warps in 32-key steps 3 deep 281-394, 8 warps in 16-key steps 3 deep
+    21; 16-key steps 2 deep none on 8 or 4 warps (231-252 / 319-372 VGPRs). Chosen by the compiler's counts, not
+    timed (no MI300X here)."""
     tiles = B * hb
+    most = max(16, 4096 // d) if hip else 64
     if tiles == 1:
         return max(1, min(triton.cdiv(W, 16) + triton.cdiv(entries, 16), 32)), 16, 2, False, 8
     if tiles < 32:
-        return max(1, min(triton.cdiv(W, 32) + triton.cdiv(entries, 32), 128 // max(1, tiles))), 32, 2, False, 8
+        bk = min(32, most)
+        return max(1, min(triton.cdiv(W, bk) + triton.cdiv(entries, bk), 128 // max(1, tiles))), bk, 2, False, 8
     if tiles > sms:
-        return 1, 32, 3, True, 4
+        return 1, min(32, most), 3, True, 4
     bk, stages = (32, 3) if mode == 1 else (64, 2)
+    bk, stages = min(bk, most), 2 if hip else stages
     return max(1, min(128 // tiles, (triton.cdiv(W, bk) + triton.cdiv(entries, bk)) // 8)), bk, stages, True, 8
+
+
+def _hip(t: torch.Tensor) -> bool:
+    """t is on an AMD GPU (ROCm's torch): the decode attention's plan for gfx942 (_attn_plan's hip)."""
+    return t.is_cuda and torch.version.hip is not None
 
 
 def decode_attention(q, win, slots, pos, sink, scale, pool=None, table=None, sel=None, count=None,
@@ -339,7 +354,8 @@ def _attention(q, win, slots, pos, sink, scale, pool, table, sel, count, splits,
     bh = 16
     ksel = sel.shape[1] if sel is not None else 0
     hb = triton.cdiv(H, bh)
-    ns, bk, stages, fuse, warps = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap, sm_count(q.device))
+    ns, bk, stages, fuse, warps = _attn_plan(B, hb, mode, W, ksel if mode == 1 else cap, sm_count(q.device), d,
+                                             _hip(q))
     ns, fuse = splits or ns, fuse if merge is None else merge
     pm = torch.empty(B * H * ns if ns > 1 else 0, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
