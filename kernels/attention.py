@@ -281,10 +281,11 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int, d: in
     at 128 rows 8 warps were the faster everywhere).
     hip (ROCm): key steps of at most max(16, 4096 // d) keys (16 at d >= 256), the splits counted in them, and
     8-warp programs 2 deep. AMD gfx942's compiler (Triton 3.6, run on the CPU: tests.launches) caps an 8-warp
-    program at 256 VGPRs, and the plan's wider steps spill there: at d 512, 32-key steps 456-498 VGPRs (1.4-1.6 KB
-    of scratch a thread), 64-key 751-781, 4 warps in 32-key steps 3 deep 281-394, 8 warps in 16-key steps 3 deep
-    21; 16-key steps 2 deep none on 8 or 4 warps (231-252 / 319-372 VGPRs). Chosen by the compiler's counts, not
-    timed (no MI300X here)."""
+    program at 256 VGPRs, and the CUDA plan's wider steps spill there: at d 512 over bf16 caches, 32-key steps on
+    8 warps 104-191 VGPRs a thread (420-712 bytes of scratch), 64-key steps 121-700 (444-2,228 bytes), 4 warps in
+    32-key steps 3 deep up to 10 (fp32 caches: 21-781, and 21 for 16-key steps 3 deep); 16-key steps 2 deep spill
+    none on 8 or 4 warps (120-239 / 172-312 VGPRs). sm90 spills none of these. Chosen by the compiler's counts,
+    not timed (no MI300X here)."""
     tiles = B * hb
     most = max(16, 4096 // d) if hip else 64
     if tiles == 1:

@@ -658,10 +658,12 @@ from kernels.attention import decode_attention, decode_attention_ref
 attention._hip = lambda t: True  # ROCm's plan (_attn_plan's hip) for the interpreter's CPU tensors
 g = torch.Generator().manual_seed(0)
 H, d, W, BE, nb = 16, 512, 16, 8, 4
-for B, sms in ((1, 1), (4, 1), (40, 64), (40, 16)):  # one tile; under 32 tiles; up to the SMs; past them
+for (B, sms), dt in zip(((1, 1), (4, 1), (40, 64), (40, 16)) * 2, [torch.float32] * 4 + [torch.bfloat16] * 4):
+    # one tile; under 32 tiles; up to the SMs; past them: over fp32 caches, then the engine's bf16 (launched for
+    # their compile below; the interpreter's bf16 arithmetic is not the GPU's, so their values go unchecked here)
     fp8_gemm._SMS[torch.device("cpu")] = sms
-    q, win = torch.randn(B, H, d, generator=g), torch.randn(B + 1, W, d, generator=g)
-    pool, sink = torch.randn(B * nb + 1, BE, d, generator=g), torch.randn(H, generator=g)
+    q, win = torch.randn(B, H, d, generator=g).to(dt), torch.randn(B + 1, W, d, generator=g).to(dt)
+    pool, sink = torch.randn(B * nb + 1, BE, d, generator=g).to(dt), torch.randn(H, generator=g)
     slots, pos = torch.randperm(B + 1, generator=g)[:B], torch.randint(0, 3 * W, (B,), generator=g)
     table = torch.randperm(B * nb + 1, generator=g)[:B * nb].view(B, nb)
     count = torch.randint(0, nb * BE + 1, (B,), generator=g)
@@ -672,7 +674,7 @@ for B, sms in ((1, 1), (4, 1), (40, 64), (40, 16)):  # one tile; under 32 tiles;
                dict(pool=pool, table=table, count=count)):
         o, oq = decode_attention(q, win, slots, pos, sink, d ** -0.5, unrope=cs, fp8=torch.float8_e4m3fn, **kw)
         want = decode_attention_ref(q, win, slots, pos, sink, d ** -0.5, unrope=cs, **kw)
-        assert (o - want).abs().max() < 1e-4 and oq is not None, (B, sms, list(kw))
+        assert oq is not None and (dt != torch.float32 or (o - want).abs().max() < 1e-4), (B, sms, dt, list(kw))
 print("ok")
 """)
 
@@ -680,15 +682,15 @@ print("ok")
 def test_amd_decode_attention_plans_do_not_spill(tmp_path):
     """ROCm's decode-attention plans (_attn_plan's hip) at the release's head_dim 512: one (token, head block)
     tile, under 32, up to the SMs and past them, over the window, CSA picks and HCA entries, the output rotated
-    back and quantized, under Triton's interpreter against the reference; then compiled for AMD gfx942, where
-    none may spill to scratch memory (the CUDA plan's 32- and 64-key steps spill 281-781 VGPRs a thread there).
-    CPU, about two minutes (skipped without Triton, as on CI)."""
+    back and quantized, under Triton's interpreter against the reference (fp32 caches; bf16 ones launched only);
+    then compiled for AMD gfx942, where none may spill to scratch memory (the CUDA plan's 32- and 64-key steps spill up to 781
+    VGPRs a thread there). CPU, about a minute (skipped without Triton, as on CI)."""
     pytest.importorskip("triton")
     from tests.launches import compile_all
     records = [r for r in _interpreted(AMD_ATTENTION, tmp_path, 600) if r["kernel"].endswith("_decode_attn_kernel")]
     res = []
     assert not compile_all(records, "gfx942", resources=res)
-    assert len(res) >= 4 and {r["constexprs"]["BLOCK_K"] for r in records} == {16}
+    assert len(res) >= 8 and {r["constexprs"]["BLOCK_K"] for r in records} == {16}
     spill = [(w, r) for w, r in res if r["scratch_bytes"] or r["spilled"]]
     assert not spill, spill
 
