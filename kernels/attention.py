@@ -280,12 +280,12 @@ def _attn_plan(B: int, hb: int, mode: int, W: int, entries: int, sms: int, d: in
     against 16.0, every CSA entry of ~47 34.4 against 25.3 and of ~255 61.9 against 46.8, HCA 30.7 against 20.8;
     at 128 rows 8 warps were the faster everywhere).
     hip (ROCm): key steps of at most max(16, 4096 // d) keys (16 at d >= 256), the splits counted in them, and
-    8-warp programs 2 deep. AMD gfx942's compiler (Triton 3.6, run on the CPU: tests.launches) caps an 8-warp
-    program at 256 VGPRs, and the CUDA plan's wider steps spill there: at d 512 over bf16 caches, 32-key steps on
-    8 warps 104-191 VGPRs a thread (420-712 bytes of scratch), 64-key steps 121-700 (444-2,228 bytes), 4 warps in
-    32-key steps 3 deep up to 10 (fp32 caches: 21-781, and 21 for 16-key steps 3 deep); 16-key steps 2 deep spill
-    none on 8 or 4 warps (120-239 / 172-312 VGPRs). sm90 spills none of these. Chosen by the compiler's counts,
-    not timed (no MI300X here)."""
+    8-warp programs 2 deep. AMD gfx942's compiler (Triton 3.6 run on the CPU, given a GPU launch's alignments:
+    tests.launches) caps an 8-warp program at 256 VGPRs, and the CUDA plan's steps spill there: at d 512 over bf16
+    caches, 8 warps in 32-key steps 3 deep (the CSA picks from 32 tiles up) 106-222 VGPRs a thread (428-892 bytes
+    of scratch), in 64-key steps 2-57, in 32-key steps 2 deep 0-8, in 16-key steps 3 deep 34-44 (fp32 caches: up
+    to 407); 16-key steps 2 deep spill none, on 8 or 4 warps (109-178 / 144-304 VGPRs). sm90 spills in none of
+    these. Chosen by the compiler's counts, not timed (no MI300X here)."""
     tiles = B * hb
     most = max(16, 4096 // d) if hip else 64
     if tiles == 1:

@@ -43,8 +43,13 @@ def _constexprs(fn) -> set[str]:
 
 def spec(kernel, args, kwargs) -> dict:
     """One launch's specialization: {"kernel": "module:name", "signature": {arg: type or "constexpr"},
-    "constexprs": {arg: value}, "options": {...}}; tensors by their element type, None and constexprs by value."""
-    from triton.runtime.jit import mangle_type
+    "constexprs": {arg: value}, "attrs": {arg: key}, "options": {...}}; tensors by their element type, None and
+    constexprs by value. As a GPU launch specializes its arguments (Triton's JIT): an integer 1 becomes a constexpr,
+    and attrs notes "D" for a tensor whose address or an integer that is a multiple of 16 (the compilers then take
+    16-byte vector loads and aligned strides) and "S" for a tensor whose storage fits 2 GB (AMD's buffer loads)."""
+    import torch
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
     fn = kernel.fn
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args))
@@ -53,17 +58,22 @@ def spec(kernel, args, kwargs) -> dict:
         if n not in bound and p.default is not inspect.Parameter.empty:
             bound[n] = p.default
     const = _constexprs(fn)
-    sig, consts, odd = {}, {}, []
+    sig, consts, attrs, odd = {}, {}, {}, []
     for n in params:
         v = bound[n]
-        if n in const or v is None:
+        ty, key = (None, None) if n in const or v is None else native_specialize_impl(BaseBackend, v, False, True,
+                                                                                         True)
+        if ty is None or ty == "constexpr":
             sig[n] = "constexpr"
             plain = isinstance(v, (bool, int, float, str, type(None)))
             consts[n] = v if plain else repr(v)
             odd += [] if plain else [n]
         else:
-            sig[n] = mangle_type(v)
-    out = {"kernel": f"{fn.__module__}:{fn.__name__}", "signature": sig, "constexprs": consts,
+            sig[n] = ty
+            key = (key or "") + ("S" if isinstance(v, torch.Tensor) and v.untyped_storage().size() < 2 ** 31 else "")
+            if key:
+                attrs[n] = key
+    out = {"kernel": f"{fn.__module__}:{fn.__name__}", "signature": sig, "constexprs": consts, "attrs": attrs,
            "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
     if odd:  # (compile_all reports such a launch as a failure, so the recorder gets extended, not skipped)
         out["unrecorded"] = odd
@@ -142,20 +152,31 @@ def _resources(kernel, target: str) -> dict:
     return {"registers": get("REG"), "spilled": None, "scratch_bytes": get("STACK") + max(0, get("LOCAL"))}
 
 
+def compiled(t: dict, target: str):
+    """One specialization (for_target's) compiled for target by Triton's own compiler -> its CompiledKernel (.asm
+    holds the target's code: "ptx" / "cubin" or "amdgcn"). Its attrs as the target's backend reads them (records
+    made before attrs were noted have none)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    mod, name = t["kernel"].split(":")
+    fn = getattr(importlib.import_module(mod), name)
+    gpu = GPUTarget(*TARGETS[target])
+    parse = make_backend(gpu).parse_attr
+    attrs = {(i,): parse(t["attrs"][n]) for i, n in enumerate(t["signature"]) if n in t.get("attrs", {})}
+    return triton.compile(ASTSource(fn=fn, signature=t["signature"], constexprs=t["constexprs"], attrs=attrs),
+                          target=gpu, options=t["options"])
+
+
 def _compile(t: dict, target: str, resources: bool = False):
     """Compile one specialization for target -> (None, or the compiler's error; with `resources`, _resources'
     figures)."""
     if t.get("unrecorded"):
         return (f"constexprs {t['unrecorded']} hold values of types tests.launches.spec does not record "
                 f"({', '.join(str(t['constexprs'][n]) for n in t['unrecorded'])}): extend it"), None
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    mod, name = t["kernel"].split(":")
-    fn = getattr(importlib.import_module(mod), name)
     try:
-        k = triton.compile(ASTSource(fn=fn, signature=t["signature"], constexprs=t["constexprs"]),
-                           target=GPUTarget(*TARGETS[target]), options=t["options"])
+        k = compiled(t, target)
     except Exception as e:  # noqa: BLE001 (the compilers' errors are of many kinds; each is reported)
         return f"{type(e).__name__}: {str(e)[-1500:]}", None
     return None, (_resources(k, target) if resources else None)

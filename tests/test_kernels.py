@@ -2,6 +2,7 @@
 under Triton's interpreter (CPU, when triton is installed) and on a GPU (when one is present)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -612,7 +613,10 @@ def test_record_notes_compiled_launches_too(tmp_path):
             _swiglu_kernel[(1,)](x, x, x, 8, 7.0, BLOCK=16)
         _swiglu_kernel[(1,)](x, x, x.bfloat16(), 8, 7.0, BLOCK=32)
         _swiglu_kernel.warmup(x, x, x, 8, 7.0, BLOCK=64, grid=(1,))
-        assert [w for _, _, w in launched] == [False, False, False, True], launched
+        y = torch.zeros(40)
+        _swiglu_kernel[(1,)](y, y[1:], y, 32, 7.0, BLOCK=32)  # (U 4 bytes off 16-byte alignment; n a multiple of 16)
+        _swiglu_kernel[(1,)](y, y, y, 1, 7.0, BLOCK=32)  # (n 1: a constant, as a GPU launch specializes it)
+        assert [w for _, _, w in launched] == [False, False, False, True, False, False], launched
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": os.getcwd()}
@@ -621,9 +625,15 @@ def test_record_notes_compiled_launches_too(tmp_path):
     got = json.loads(rec.read_text())
     assert [(s["kernel"], s["signature"]["Y"], s["constexprs"]) for s in got] == [
         ("kernels.fused:_swiglu_kernel", "*fp32", {"BLOCK": 16}),
-        ("kernels.fused:_swiglu_kernel", "*bf16", {"BLOCK": 32})]
+        ("kernels.fused:_swiglu_kernel", "*bf16", {"BLOCK": 32}),
+        ("kernels.fused:_swiglu_kernel", "*fp32", {"BLOCK": 32}),
+        ("kernels.fused:_swiglu_kernel", "*fp32", {"n": 1, "BLOCK": 32})]
     assert got[0]["signature"] == {"G": "*fp32", "U": "*fp32", "Y": "*fp32", "n": "i32", "limit": "fp32",
                                    "BLOCK": "constexpr"}
+    # as the JIT specializes: aligned tensors "D", integers that are multiples of 16 "D", storage under 2 GB "S"
+    assert got[0]["attrs"] == {"G": "DS", "U": "DS", "Y": "DS"}
+    assert got[2]["attrs"] == {"G": "DS", "U": "S", "Y": "DS", "n": "D"}
+    assert got[3]["signature"]["n"] == "constexpr" and "n" not in got[3]["attrs"]
 
 
 def test_launch_records_compile_for_each_target():
@@ -645,6 +655,18 @@ def test_launch_records_compile_for_each_target():
     assert 0 < r_nv["registers"] <= 255 and 0 < r_amd["registers"] <= 512 and r_amd["spilled"] >= 0
     assert r_nv["scratch_bytes"] >= 0 and r_amd["scratch_bytes"] >= 0
     assert "input_precision" in _compile(mix, "gfx942")[0]  # CUDA's tf32x3 on AMD: refused, and said
+    # the recorded attrs reach the compilers: 16-byte aligned pointers and n give vector loads (sm90 4-wide; gfx942
+    # 2 a thread of its 64-wide waves, and through buffer loads for storage under 2 GB)
+    from tests.launches import compiled
+    sw = {"kernel": "kernels.fused:_swiglu_kernel", "signature": {"G": "*fp32", "U": "*fp32", "Y": "*fp32",
+                                                                   "n": "i32", "limit": "fp32", "BLOCK": "constexpr"},
+          "constexprs": {"BLOCK": 512}, "options": {"num_warps": 4}}
+    aligned = {**sw, "attrs": {"G": "DS", "U": "DS", "Y": "DS", "n": "D"}}
+    assert "ld.global.v4" not in compiled(sw, "sm90").asm["ptx"]
+    assert "ld.global.v4" in compiled(aligned, "sm90").asm["ptx"]
+    amd = [compiled(for_target(x, "gfx942"), "gfx942").asm["amdgcn"] for x in (sw, aligned)]
+    vector = r"\s(global|buffer)_load_dwordx\d"  # (not the kernel arguments' scalar s_load_dwordx)
+    assert not re.search(vector, amd[0]) and re.search(r"\sbuffer_load_dwordx2", amd[1])
     up = {"kernel": "kernels.moe:_moe_up_kernel", "signature": {"X": "*fp8e4nv", "W1": "*fp8e4nv"},
           "constexprs": {}, "options": {"maxnreg": 128}}
     amd = for_target(up, "gfx942")
@@ -683,8 +705,8 @@ def test_amd_decode_attention_plans_do_not_spill(tmp_path):
     """ROCm's decode-attention plans (_attn_plan's hip) at the release's head_dim 512: one (token, head block)
     tile, under 32, up to the SMs and past them, over the window, CSA picks and HCA entries, the output rotated
     back and quantized, under Triton's interpreter against the reference (fp32 caches; bf16 ones launched only);
-    then compiled for AMD gfx942, where none may spill to scratch memory (the CUDA plan's 32- and 64-key steps spill up to 781
-    VGPRs a thread there). CPU, about a minute (skipped without Triton, as on CI)."""
+    then compiled for AMD gfx942, where none may spill to scratch memory (the CUDA plan's 32- and 64-key steps
+    spill up to 407 VGPRs a thread there). CPU, about a minute (skipped without Triton, as on CI)."""
     pytest.importorskip("triton")
     from tests.launches import compile_all
     records = [r for r in _interpreted(AMD_ATTENTION, tmp_path, 600) if r["kernel"].endswith("_decode_attn_kernel")]
