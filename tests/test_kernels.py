@@ -682,7 +682,8 @@ g = torch.Generator().manual_seed(0)
 H, d, W, BE, nb = 16, 512, 16, 8, 4
 for (B, sms), dt in zip(((1, 1), (4, 1), (40, 64), (40, 16)) * 2, [torch.float32] * 4 + [torch.bfloat16] * 4):
     # one tile; under 32 tiles; up to the SMs; past them: over fp32 caches, then the engine's bf16 (launched for
-    # their compile below; the interpreter's bf16 arithmetic is not the GPU's, so their values go unchecked here)
+    # their compile below, values unchecked: Triton 3.6's interpreter multiplies a bf16 tl.dot's raw bits,
+    # triton-lang/triton#11584)
     fp8_gemm._SMS[torch.device("cpu")] = sms
     q, win = torch.randn(B, H, d, generator=g).to(dt), torch.randn(B + 1, W, d, generator=g).to(dt)
     pool, sink = torch.randn(B * nb + 1, BE, d, generator=g).to(dt), torch.randn(H, generator=g)
