@@ -168,6 +168,27 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
     return start, local(t).shape[0]
 
 
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout: chunks of ceil(rows / n) rows, the last
+    ones short or empty), gathered with one all_gather_into_tensor on its mesh's group into padded chunks. The
+    same values as t.full_tensor(), through the plain collective rather than the functional ones (an intermittent
+    native crash in their wait was seen in weight syncs over gloo)."""
+    from torch.distributed.tensor import Shard
+    if tuple(t.placements) != (Shard(0),):
+        return t.full_tensor()
+    mesh, part = t.device_mesh, t.to_local()
+    n, rows = mesh.size(), t.shape[0]
+    size = -(-rows // n)
+    if part.shape[0] == size:
+        send = part.contiguous()
+    else:
+        send = part.new_zeros((size, *part.shape[1:]))
+        send[:part.shape[0]] = part
+    out = part.new_empty((n * size, *part.shape[1:]))
+    dist.all_gather_into_tensor(out, send, group=mesh.get_group())
+    return out[:rows]
+
+
 @torch.no_grad()
 def full_state(model: Transformer, mesh: ActorMesh | None):
     """(name, full tensor) for every tensor of the model, in state_dict order, all experts of a layer stacked.
@@ -188,7 +209,7 @@ def full_state(model: Transformer, mesh: ActorMesh | None):
             entries.append((name, t, sharded, name.rpartition(".")[0] in experts))
         model.__dict__["_full_state_entries"] = entries
     for name, t, sharded, expert in entries:
-        full = t.full_tensor() if sharded else t
+        full = gather_rows(t) if sharded else t
         if mesh is not None and mesh.ep > 1 and expert:
             parts = [torch.empty_like(full) for _ in range(mesh.ep)]
             dist.all_gather(parts, full.contiguous(), group=mesh.ep_group)
