@@ -4,7 +4,8 @@
 
 Same batch (split across ranks), same weights: the loss, every gradient and the weights after one AdamW step
 must equal the unsharded model's within fp32 tolerance, and so must the loss of a no-grad forward after that step
-and after a second one. Exits non-zero on a mismatch. --no-reshard: blocks keep their gathered weights from
+and after a second one; full_state's gather (gather_rows) must equal DTensor.full_tensor() on rows that split
+unevenly. Exits non-zero on a mismatch. --no-reshard: blocks keep their gathered weights from
 forward to backward, and a no-grad forward (GRPO's pi_old pass) runs first, leaving them gathered.
 """
 import argparse
@@ -17,8 +18,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, make_actor_groups,  # noqa: E402
-                            reshard, sharded_actor)
+from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, gather_rows,  # noqa: E402
+                            make_actor_groups, reshard, sharded_actor)
 
 
 def main():
@@ -106,6 +107,14 @@ def main():
         dist.all_reduce(got)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
             errors.append(f"no-grad loss after step {k + 1}: {got.item()} vs {want.item()}")
+    # full_state's gather against DTensor's own, rows that split unevenly or leave ranks empty included
+    from torch.distributed.tensor import Shard, distribute_tensor
+    dense, _ = mesh.meshes()
+    for rows in range(2 * N + 2):
+        x = torch.randn(rows, 3, 2, generator=torch.Generator().manual_seed(rows))
+        d = distribute_tensor(x, dense, [Shard(0)])
+        if not (torch.equal(gather_rows(d), x) and torch.equal(d.full_tensor(), x)):
+            errors.append(f"gather_rows of {rows} rows over {N} ranks")
     if errors:
         print(f"rank {rank}: {len(errors)} mismatches: {errors[:5]}", flush=True)
     dist.destroy_process_group()
