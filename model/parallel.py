@@ -157,28 +157,33 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def chunk_rows(rows: int, n: int) -> int:
+    """Rows of each of n shards of `rows` (FSDP2 shards dim 0 like torch.chunk: the last shards short or empty)."""
+    return -(-rows // n)
+
+
 def shard_rows(t: torch.Tensor) -> tuple[int, int]:
     """(first global row along dim 0, rows) of this rank's local shard of t (FSDP2 shards dim 0 like chunk)."""
     if not hasattr(t, "device_mesh"):
         return 0, t.shape[0]
     mesh = t.device_mesh
     n, r = mesh.size(), mesh.get_local_rank()
-    size = -(-t.shape[0] // n)
+    size = chunk_rows(t.shape[0], n)
     start = min(r * size, t.shape[0])
     return start, local(t).shape[0]
 
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout: chunks of ceil(rows / n) rows, the last
-    ones short or empty), gathered with one all_gather_into_tensor on its mesh's group into padded chunks. The
-    same values as t.full_tensor(), through the plain collective rather than the functional ones (an intermittent
-    native crash in their wait was seen in weight syncs over gloo)."""
+    """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout, chunk_rows), gathered with one
+    all_gather_into_tensor on its mesh's group into padded chunks. The same values as t.full_tensor(), through the
+    plain collective rather than the functional ones (an intermittent native crash in their wait was seen in
+    weight syncs over gloo)."""
     from torch.distributed.tensor import Shard
     if tuple(t.placements) != (Shard(0),):
         return t.full_tensor()
     mesh, part = t.device_mesh, t.to_local()
     n, rows = mesh.size(), t.shape[0]
-    size = -(-rows // n)
+    size = chunk_rows(rows, n)
     if part.shape[0] == size:
         send = part.contiguous()
     else:
