@@ -1,14 +1,17 @@
-"""Run under torchrun (gloo): the sharded actor (FSDP2 + expert parallelism) against the single-process model.
+"""Run under torchrun (gloo; NCCL with --device cuda): the sharded actor (FSDP2 + expert parallelism) against the single-process model.
 
-    torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt] [--no-reshard]
+    torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt] [--no-reshard] [--device cuda]
 
 Same batch (split across ranks), same weights: the loss, every gradient and the weights after one AdamW step
 must equal the unsharded model's within fp32 tolerance, and so must the loss of a no-grad forward after that step
 and after a second one; full_state's gather (gather_rows) must equal DTensor.full_tensor() on rows that split
 unevenly. Exits non-zero on a mismatch. --no-reshard: blocks keep their gathered weights from
 forward to backward, and a no-grad forward (GRPO's pi_old pass) runs first, leaving them gathered.
+--device cuda: one GPU a rank and NCCL (the actor's collectives as train_grpo.py runs them), the single-process
+model on each rank's GPU too.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,25 +30,31 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--ckpt", action="store_true")
     ap.add_argument("--no-reshard", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dev = torch.device(args.device)
+    if args.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     N, rank = dist.get_world_size(), dist.get_rank()
-    mesh = make_actor_groups(N, args.ep, "cpu")
+    mesh = make_actor_groups(N, args.ep, args.device)
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
     ref = build_model(cfg, seed=0)
     with torch.no_grad():  # diverse routing: every expert gets tokens from several ranks
         for n, p in ref.named_parameters():
             if p.ndim >= 2 and "hc_" not in n:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * p.shape[-1] ** -0.5)
-    sharded = sharded_actor(cfg, mesh, torch.float32, "cpu", reshard_after_forward=not args.no_reshard)
+    ref.to(dev)
+    sharded = sharded_actor(cfg, mesh, torch.float32, dev, reshard_after_forward=not args.no_reshard)
     copy_full_state(sharded, ref.state_dict().items())
     sharded.activation_checkpointing = args.ckpt
 
     g = torch.Generator().manual_seed(1)
     B, T = 2 * N, 40
-    ids = torch.randint(3, 32, (B, T), generator=g)
-    mask = (torch.rand(B, T - 1, generator=g) < 0.7).float()
+    ids = torch.randint(3, 32, (B, T), generator=g).to(dev)
+    mask = (torch.rand(B, T - 1, generator=g) < 0.7).float().to(dev)
     total = mask.sum()
 
     def loss_of(model, rows):
@@ -111,7 +120,7 @@ def main():
     from torch.distributed.tensor import Shard, distribute_tensor
     dense, _ = mesh.meshes()
     for rows in range(2 * N + 2):
-        x = torch.randn(rows, 3, 2, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, 3, 2, generator=torch.Generator().manual_seed(rows)).to(dev)
         d = distribute_tensor(x, dense, [Shard(0)])
         if not (torch.equal(gather_rows(d), x) and torch.equal(d.full_tensor(), x)):
             errors.append(f"gather_rows of {rows} rows over {N} ranks")

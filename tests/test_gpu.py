@@ -1,5 +1,9 @@
 """GPU checks (skipped without CUDA): every Triton kernel against its torch reference at the mini / release
 shapes, and the paged engine's CUDA-graph decode against its eager decode and the simple engine."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -883,3 +887,15 @@ def test_sync_graph_packer_matches_eager_packing():
                 assert torch.equal(got[o:o + nb], ref[o:o + nb]), (step, k)
         for _, w in params:  # an optimizer step: in place, after the capture
             w.mul_(-1.5).add_(0.25)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("ep, extra", [(1, []), (2, ["--no-reshard"])], ids=["fsdp2", "ep2-no-reshard"])
+def test_sharded_actor_nccl(ep, extra):
+    """tests/parallel_check.py on 2 GPUs over NCCL (the CPU tests run it over gloo): the sharded actor's loss,
+    gradients, AdamW step and full_state (gather_rows' all_gather_into_tensor, rows split unevenly) against the
+    single-process model."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "tests/parallel_check.py", "--ep", str(ep), "--device", "cuda", *extra], capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"), timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
