@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo; NCCL with --device cuda): the sharded actor (FSDP2 + expert parallelism) against the single-process model.
+"""Run under torchrun (gloo; NCCL with --device cuda): the sharded actor (FSDP2 + expert parallelism) against
+the single-process model.
 
     torchrun --standalone --nproc-per-node N tests/parallel_check.py --ep E [--ckpt] [--no-reshard] [--device cuda]
 
