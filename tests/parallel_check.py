@@ -34,9 +34,8 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dev = torch.device(args.device)
-    if args.device == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     N, rank = dist.get_world_size(), dist.get_rank()
