@@ -44,12 +44,12 @@ for part in "$@"; do
     rollout)
       timeout 300 python3 bench/rollout.py --gen-len 256 --bf16-batches 64 --long-gen 32 --hf-tokens 8 \
         --json "$OUT/rollout.json" > "$OUT/rollout.log" 2>&1
-      grep -E "^fp8|^bf16|^long|^transformers" "$OUT/rollout.log" ;;
+      grep -E "^fp8|^bf16|^long|^transformers|^target" "$OUT/rollout.log" ;;
     release)
       timeout 300 python3 bench/rollout.py --config configs/dsv4.yaml --batches 1,16,64 --bf16-batches 1,16,64 \
         --long-batch 0 --hf-batch 0 --gen-len 64 --json "$OUT/rollout_release.json" "${RELEASE[@]}" \
         > "$OUT/rollout_release.log" 2>&1
-      grep -E "^fp8|^bf16|Error" "$OUT/rollout_release.log"
+      grep -E "^fp8|^bf16|^target|Error" "$OUT/rollout_release.log"
       timeout 200 python3 bench/fp8_linear.py --config configs/dsv4.yaml --batches 16,64 > "$OUT/linears_release.log" 2>&1
       grep -A12 "^summary" "$OUT/linears_release.log" ;;
     sample)

@@ -10,6 +10,7 @@ entries, HCA entries) -- over its time is the achieved bandwidth, reported as a 
 copy bandwidth measured here. `transformers` DeepseekV4ForCausalLM.generate (BF16, same weights) gives the
 peer decode rate at --hf-batch. Long context: decode tokens/s at batch --long-batch with 1k vs 16k tokens of
 prompt. Random weights (init std 0.02) and random prompts; generation ignores EOS so lengths are fixed.
+Last, a `target ...: met / UNMET` line for each of the engine's targets (TARGETS) that this run's parts measure.
 """
 from __future__ import annotations
 
@@ -305,6 +306,40 @@ def profile_prefill(model, B: int, L: int, fp8: bool = True) -> str:
     return "\n".join(lines)
 
 
+# The rollout engine's targets (the FP8 engine issue's "Show" list): batch-1 FP8 decode at >= 60% of the copy
+# roofline; at batch 64 FP8 >= 1.4x our BF16 path and >= 20x transformers generate; at batch 16, 16k tokens of
+# context within 1.3x of 1k.
+TARGETS = {"roofline_b1": 0.60, "fp8_over_bf16_b64": 1.4, "fp8_over_hf": 20.0, "long_ratio": 1.3}
+
+
+def target_checks(res: dict) -> list[dict]:
+    """What this run measured against TARGETS, for whichever parts it ran: dicts of name, value, rule (">=" or
+    "<="), target and met.
+    FP8 over BF16 and over transformers compare the same batch; the long-context ratio is the shortest context's
+    tokens/s over the longest's."""
+    fp8 = {r["batch"]: r for r in res.get("fp8", [])}
+    bf16 = {r["batch"]: r for r in res.get("bf16", [])}
+    out = []
+
+    def check(name, value, target, higher=True):
+        out.append({"name": name, "value": value, "rule": ">=" if higher else "<=", "target": target,
+                    "met": value >= target if higher else value <= target})
+    if 1 in fp8:
+        check("batch-1 FP8 fraction of copy", fp8[1]["roofline_fraction"], TARGETS["roofline_b1"])
+    if 64 in fp8 and 64 in bf16:
+        check("batch-64 FP8 / BF16", fp8[64]["decode_tokens_per_s"] / bf16[64]["decode_tokens_per_s"],
+              TARGETS["fp8_over_bf16_b64"])
+    hf = res.get("hf")
+    if hf and hf.get("batch") in fp8:
+        check(f"batch-{hf['batch']} FP8 / transformers", fp8[hf["batch"]]["decode_tokens_per_s"]
+              / hf["decode_tokens_per_s"], TARGETS["fp8_over_hf"])
+    long = sorted(res.get("long", []), key=lambda r: r["prompt_len"])
+    if len(long) > 1:
+        check(f"long context {long[0]['prompt_len']} / {long[-1]['prompt_len']} tok/s",
+              long[0]["decode_tokens_per_s"] / long[-1]["decode_tokens_per_s"], TARGETS["long_ratio"], higher=False)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/mini.yaml")
@@ -437,6 +472,10 @@ def main(argv=None):
     if args.hf_batch:
         res["hf"] = hf_decode_rate(model, args.hf_batch, args.prompt_len, args.hf_tokens)
         print(f"transformers generate bf16 batch {args.hf_batch}: {res['hf']['decode_tokens_per_s']:.1f} decode tok/s",
+              flush=True)
+    res["targets"] = target_checks(res)
+    for c in res["targets"]:
+        print(f"target {c['name']}: {c['value']:.2f} ({c['rule']} {c['target']:g}) {'met' if c['met'] else 'UNMET'}",
               flush=True)
     print(json.dumps(res))
     if args.json:

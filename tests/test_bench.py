@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from bench.rollout import group_rollout, kernel_shares, main, profile_prefill, sampling_list, step_trace
+from bench.rollout import (TARGETS, group_rollout, kernel_shares, main, profile_prefill, sampling_list, step_trace,
+                           target_checks)
 from model import ModelConfig, build_model
 from model.config import ConfigError, load_yaml
 from rollout_server import Engine
@@ -31,6 +32,25 @@ def test_kernel_shares_count_overlap_once():
         k = kernel_shares(ev)
         assert abs(sum(v[2] for v in k.values()) - _busy([(s, e) for _, s, e in ev])) < 1e-9
         assert all(0 <= v[2] <= v[1] + 1e-12 for v in k.values()) and sum(v[0] for v in k.values()) == 30
+
+
+def test_target_checks_compare_what_the_run_measured():
+    def rate(batch, tps, **kw):
+        return {"batch": batch, "decode_tokens_per_s": tps, **kw}
+    res = {"fp8": [rate(1, 1000.0, roofline_fraction=0.59), rate(64, 30000.0, roofline_fraction=0.4)],
+           "bf16": [rate(64, 20000.0)], "hf": {"batch": 64, "decode_tokens_per_s": 1000.0},
+           "long": [rate(16, 6000.0, prompt_len=16384), rate(16, 7500.0, prompt_len=1024)]}
+    got = {c["name"]: (round(c["value"], 6), c["rule"], c["met"]) for c in target_checks(res)}
+    assert got == {"batch-1 FP8 fraction of copy": (0.59, ">=", TARGETS["roofline_b1"] <= 0.59),
+                   "batch-64 FP8 / BF16": (1.5, ">=", TARGETS["fp8_over_bf16_b64"] <= 1.5),
+                   "batch-64 FP8 / transformers": (30.0, ">=", TARGETS["fp8_over_hf"] <= 30.0),
+                   "long context 1024 / 16384 tok/s": (1.25, "<=", 1.25 <= TARGETS["long_ratio"])}
+    assert not got["batch-1 FP8 fraction of copy"][2] and got["batch-64 FP8 / BF16"][2]
+    # only what ran is checked: no BF16 at 64, transformers at a batch FP8 did not run, one context
+    part = {"fp8": res["fp8"], "bf16": [rate(16, 1.0)], "hf": {"batch": 8, "decode_tokens_per_s": 1.0},
+            "long": res["long"][:1]}
+    assert [c["name"] for c in target_checks(part)] == ["batch-1 FP8 fraction of copy"]
+    assert target_checks({}) == []
 
 
 def test_step_trace_takes_a_middle_step_in_start_order():
