@@ -310,7 +310,7 @@ def profile_prefill(model, B: int, L: int, fp8: bool = True) -> str:
 # roofline; at batch 64 FP8 >= 1.4x our BF16 path and >= 20x transformers generate; at batch 16, 16k tokens of
 # context within 1.3x of 1k.
 TARGETS = {"roofline_b1": 0.60, "fp8_over_bf16_b64": 1.4, "fp8_over_hf": 20.0, "long_ratio": 1.3}
-TARGET_RUN = ("configs/mini.yaml", 512, 1024)  # the run they are set for: config, prompt and new tokens
+TARGET_RUN = ("H200", "configs/mini.yaml", 512, 1024)  # the run they are set for: GPU, config, prompt, new tokens
 
 
 def target_checks(res: dict) -> list[dict]:
@@ -342,12 +342,12 @@ def target_checks(res: dict) -> list[dict]:
 
 
 def target_report(res: dict, prompt_len: int, gen_len: int) -> list[str]:
-    """res["targets"] = target_checks(res), each marked run_as_set (this run's config, prompt and new tokens are
-    TARGET_RUN's), and one `target ...` line for each (a run that differs says so on every line)."""
-    as_set = (res["config"], prompt_len, gen_len) == TARGET_RUN
+    """res["targets"] = target_checks(res), each marked run_as_set (this run's GPU is TARGET_RUN's and its config,
+    prompt and new tokens are too), and one `target ...` line for each (a run that differs says so on every line)."""
+    gpu, config, prompt, new = TARGET_RUN
+    as_set = gpu in res["device"] and (res["config"], prompt_len, gen_len) == (config, prompt, new)
     res["targets"] = [{**c, "run_as_set": as_set} for c in target_checks(res)]
-    differs = "" if as_set else (f" (set for {TARGET_RUN[0]}, prompt {TARGET_RUN[1]}, {TARGET_RUN[2]} new tokens: "
-                                 "this run differs)")
+    differs = "" if as_set else f" (set for an {gpu}, {config}, prompt {prompt}, {new} new tokens: this run differs)"
     return [f"target {c['name']}: {c['value']:.2f} ({c['rule']} {c['target']:g}) {'met' if c['met'] else 'UNMET'}"
             + differs for c in res["targets"]]
 

@@ -52,12 +52,14 @@ def test_target_checks_compare_what_the_run_measured():
     assert [c["name"] for c in target_checks(part)] == ["batch-1 FP8 fraction of copy"]
     assert target_checks({}) == []
     # the printed lines, and a run other than the one the targets are set for says so
-    config, prompt_len, gen_len = TARGET_RUN
+    gpu, config, prompt_len, gen_len = TARGET_RUN
+    res["device"] = f"NVIDIA {gpu}"
     as_set = target_report({**res, "config": config}, prompt_len, gen_len)
     assert as_set[0] == f"target batch-1 FP8 fraction of copy: 0.59 (>= {TARGETS['roofline_b1']:g}) UNMET"
     assert len(as_set) == 4 and as_set[3].startswith("target long context 1024 / 16384 tok/s: 1.25 (<= ")
-    for run in ((config + " model.num_hidden_layers=4", prompt_len, gen_len), (config, prompt_len, 256)):
-        r = {**res, "config": run[0]}
+    for dev, run in ((gpu, (config + " model.num_hidden_layers=4", prompt_len, gen_len)),
+                     (gpu, (config, prompt_len, 256)), ("AMD Instinct MI300X", (config, prompt_len, gen_len))):
+        r = {**res, "device": dev, "config": run[0]}
         lines = target_report(r, *run[1:])
         assert all(line.startswith(a) and line.endswith("this run differs)") for line, a in zip(lines, as_set))
         assert [c["run_as_set"] for c in r["targets"]] == [False] * 4
