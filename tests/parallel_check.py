@@ -130,5 +130,14 @@ def main():
     sys.exit(1 if errors else 0)
 
 
+def launch(n: int, ep: int, *extra: str, timeout: float = 600, **env: str):
+    """This check under torchrun on n ranks (`--ep ep` plus extra flags), env added to the environment (OMP threads
+    1): the finished process (the tests assert its returncode, its output tail their message)."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           __file__, "--ep", str(ep), *extra], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=timeout)
+
+
 if __name__ == "__main__":
     main()

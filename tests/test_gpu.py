@@ -1,9 +1,5 @@
 """GPU checks (skipped without CUDA): every Triton kernel against its torch reference at the mini / release
 shapes, and the paged engine's CUDA-graph decode against its eager decode and the simple engine."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -895,7 +891,6 @@ def test_sharded_actor_nccl(ep, extra):
     """tests/parallel_check.py on 2 GPUs over NCCL (the CPU tests run it over gloo): the sharded actor's loss,
     gradients, AdamW step and full_state (gather_rows' all_gather_into_tensor, rows split unevenly) against the
     single-process model."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "tests/parallel_check.py", "--ep", str(ep), "--device", "cuda", *extra], capture_output=True,
-                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"), timeout=300)
+    from tests import parallel_check
+    r = parallel_check.launch(2, ep, "--device", "cuda", *extra, timeout=300, NCCL_NVLS_ENABLE="0")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -1,14 +1,11 @@
 """The sharded actor against the single-process model (FSDP2 and expert parallelism on gloo ranks), grouped
 experts against their loop twin, and routing replay statistics."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
+from tests import parallel_check
 from tests.conftest import input_dependent
 
 
@@ -19,9 +16,7 @@ def test_sharded_actor_equals_single_process(n, ep, extra):
     """Loss, every gradient, the clipped norm and the weights after one AdamW step (tests/parallel_check.py).
     one-rank: the weight sync's kept tensors (and the CUDA graphs captured from them) read the storage AdamW
     updates in place."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                        "tests/parallel_check.py", "--ep", str(ep), *extra], capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    r = parallel_check.launch(n, ep, *extra)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
 
 
