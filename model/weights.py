@@ -511,15 +511,9 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
 
 def transformers_deepseek_v4():
     """transformers' (DeepseekV4Config, DeepseekV4ForCausalLM): the oracle of the tests and the peer of
-    bench/rollout.py. transformers 5.25 depends on the Hub's `kernels` package, imports it as its layers load and
-    has from_pretrained kernelize the model with it, but where this repository's modules run, `import kernels`
-    finds our kernels/ package (both are top-level `kernels`): transformers' check for that package is turned
-    off before the import and its hub kernels through USE_HUB_KERNELS=0 (they replace no DeepseekV4 layer)."""
+    bench/rollout.py, with the Hub's kernels off (USE_HUB_KERNELS=0: from_pretrained would otherwise kernelize the
+    model from the Hub; they replace no DeepseekV4 layer). That transformers imports the Hub's `kernels` package
+    where our kernels/ shadows it is kernels/__init__.py's part."""
     os.environ["USE_HUB_KERNELS"] = "0"
-    import transformers.utils
-    import transformers.utils.import_utils as iu
-    for mod in (iu, transformers.utils):
-        if hasattr(mod, "is_kernels_available"):
-            mod.is_kernels_available = lambda *a, **k: False
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     return DeepseekV4Config, DeepseekV4ForCausalLM
