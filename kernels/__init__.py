@@ -14,14 +14,16 @@ _hub_loaded = False
 
 
 def _hub_init() -> str | None:
-    """The installed Hub `kernels` distribution's `__init__.py`, or None (not installed, or its files are ours)."""
+    """The installed Hub `kernels` distribution's `__init__.py`, or None: not installed, or the file is this one or
+    a copy of it (a plain install of this project made before setup.py left it out of the wheel)."""
     try:
         init = str(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
     except importlib.metadata.PackageNotFoundError:
         return None
     if not os.path.isfile(init) or os.path.samefile(init, __file__):
         return None
-    return init
+    with open(init, "rb") as f, open(__file__, "rb") as g:
+        return None if f.read() == g.read() else init
 
 
 def __getattr__(name: str):
