@@ -1,11 +1,11 @@
 """Triton kernels of the model and the rollout engine, each with its torch reference (the CPU path).
 
-`kernels` is also the import name of the Hugging Face Hub's `kernels` distribution, which transformers (>= 5.2x)
-imports as its layers load (`from kernels import CUDAProperties, ...`). Where this directory comes first on sys.path
-(a script or pytest run from the repository's root) that import finds this package instead, and
+`kernels` is also the import name of the Hugging Face Hub's `kernels` distribution, which transformers (5.25 here;
+it depends on it) imports as its layers load (`from kernels import CUDAProperties, ...`). Where this directory comes
+first on sys.path (a script or pytest run from the repository's root) that import finds this package instead, and
 `from transformers import DeepseekV4ForCausalLM` would fail. So a name this package lacks is looked up in the Hub
-package, where that distribution is installed: its files join this package's path (after ours) and its
-`__init__` runs here once, as it would have run as `kernels`. Without it, a missing name is an AttributeError.
+package, where that distribution is installed: its files join this package's path (after ours) and its `__init__`
+runs here once, as it would have run as `kernels`. Without it, a missing name is an AttributeError.
 """
 import importlib.metadata
 import os
