@@ -37,9 +37,9 @@ def main():
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     N, rank = dist.get_world_size(), dist.get_rank()
-    mesh = make_actor_groups(N, args.ep, args.device)
+    mesh = make_actor_groups(N, args.ep, dev.type)
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
     ref = build_model(cfg, seed=0)
     with torch.no_grad():  # diverse routing: every expert gets tokens from several ranks
