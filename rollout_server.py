@@ -547,24 +547,47 @@ def update_weights(model: Transformer, named_tensors):
             dst.copy_(src.to(dst.device))
 
 
-def checksum(t: torch.Tensor) -> int:
-    """Position-weighted byte sum of a tensor (for verifying a weight sync end to end)."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
-    w = torch.arange(b.numel(), device=b.device) % 251 + 1
-    return int((b * w).sum())
+def checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """Position-weighted byte sum of a tensor (for verifying a weight sync end to end); in chunks of `chunk` bytes,
+    so a large tensor's int64 copy stays small."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    total = 0
+    for o in range(0, b.numel(), chunk):
+        part = b[o:o + chunk].to(torch.int64)
+        w = torch.arange(o, o + part.numel(), device=b.device) % 251 + 1
+        total += int((part * w).sum())
+    return total
 
 
-def fp8_checksums(model: Transformer) -> dict:
-    """name -> checksum of every FP8-held tensor (quantized bytes, then scales), named as the sender names them."""
+def held_tensors(model: Transformer, name: str) -> tuple[str, list[torch.Tensor], bool]:
+    """What the rollout holds for a weight-sync tensor named as the sender names it: (key, tensors, fp8). key is
+    the name, or under rollout expert parallelism 'name[a:b]' (this rank's experts); tensors are the FP8 bytes and
+    their scales (fp8 True) or the one tensor in the rollout's dtype."""
+    mods, state = _weight_index(model)
+    mod_name, _, leaf = name.rpartition(".")
+    mod = mods.get(mod_name)
+    if isinstance(mod, EngineExperts):
+        key = name if mod.group is None else f"{name}[{mod.expert_offset}:{mod.expert_offset + mod.n_local}]"
+        if mod.fp8 is not None:
+            return key, [mod.routed(leaf), mod.routed("s" + leaf[1])], True
+        return key, [mod.routed(leaf)], False
+    if isinstance(mod, FP8Linear) and leaf == "weight":
+        return name, [mod.qweight, mod.scale], True
+    if name in state:
+        return name, [state[name]], False
+    raise KeyError(f"weight sync: '{name}' is not a tensor of the rollout model")
+
+
+def held_checksums(model: Transformer, spec: list) -> dict:
+    """key -> checksum of every tensor a weight sync of `spec` ([name, dtype, shape] entries) leaves on this rank
+    (keys as held_tensors names them): FP8 holders by their bytes and scales, the rest cast to the dtype they
+    travelled in (the sender sums them as sent)."""
     out = {}
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, FP8Linear):
-            out[f"{mod_name}.weight"] = checksum(mod.qweight) + checksum(mod.scale)
-        elif isinstance(mod, EngineExperts) and mod.fp8 is not None:
-            for leaf in ("w1", "w2", "w3"):
-                key = f"{mod_name}.{leaf}" if mod.group is None else \
-                    f"{mod_name}.{leaf}[{mod.expert_offset}:{mod.expert_offset + mod.n_local}]"
-                out[key] = checksum(mod.routed(leaf)) + checksum(mod.routed("s" + leaf[1]))
+    for name, dt, _ in spec:
+        if name.endswith(FP8_SCALE):
+            continue
+        key, tensors, fp8 = held_tensors(model, name)
+        out[key] = sum(checksum(t if fp8 else t.to(_dtype(dt))) for t in tensors)
     return out
 
 
@@ -2218,9 +2241,10 @@ _fault_hits: dict[str, int] = {}
 def fault_point(name: str) -> bool:
     """Fault injection for the recovery tests. GRPO_FAULT="RANK:POINT:N[:ACTION][,...]": the N-th time rank RANK
     passes fault point POINT it kills itself (ACTION kill, the default: SIGKILL), freezes (hang: SIGSTOP), or
-    gets True back (nan: the caller poisons its loss, or at update a weight). Only on a run's first attempt, so a
-    torchrun restart resumes cleanly. Points: generate, sync (rollout and driver, mid weight sync), train (mid
-    step), ckpt (shard written, checkpoint not yet complete), loss, update (after an optimizer step)."""
+    gets True back (nan: the caller poisons its loss, at update a weight, at sync a rollout rank's received
+    weights). Only on a run's first attempt, so a torchrun restart resumes cleanly. Points: generate, sync (rollout
+    and driver, mid weight sync), train (mid step), ckpt (shard written, checkpoint not yet complete), loss, update
+    (after an optimizer step)."""
     spec = os.environ.get("GRPO_FAULT", "")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return False
@@ -2385,7 +2409,7 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
         ap = engine._sync_applier = WeightApplier(engine.model, spec, bucket_bytes, device)
     # double-buffered: bucket k + 1 is arriving while bucket k is copied into the weights (the broadcast into a
     # buffer is ordered after the copies out of it that were queued before it)
-    pending = None
+    pending, corrupt = None, False
     for k in range(len(ap.plans) + 1):
         nxt = None
         if k < len(ap.plans):
@@ -2394,10 +2418,16 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
             pending.wait()
             ap.apply(k - 1)
             if k == 1:
-                fault_point("sync")
+                corrupt = fault_point("sync")
         pending = nxt
+    if corrupt:  # the recovery tests' damaged sync: one byte of the first tensor and of the first FP8-held one
+        names = [spec[0][0]] + [n for n, _, _ in spec
+                                 if not n.endswith(FP8_SCALE) and held_tensors(engine.model, n)[2]][:1]
+        for name in dict.fromkeys(names):
+            with torch.no_grad():
+                held_tensors(engine.model, name)[1][0].view(torch.uint8).view(-1)[:1].bitwise_xor_(1)
     if meta.get("verify"):
-        send_msg({"checksums": fp8_checksums(engine.model)}, {}, driver, device)
+        send_msg({"checksums": held_checksums(engine.model, spec)}, {}, driver, device)
 
 
 def bucket_slots(spec: list, idx: list[int], buf: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -2593,9 +2623,10 @@ class RolloutClient:
         """Broadcast the weights to every rollout rank in buckets of at most bucket_bytes; returns the bytes each
         receiver got. tensors(dst, checksums) yields them in `spec` order ([name, dtype, shape] entries); its
         producer writes tensor j straight into dst(j) when dst is given and dst(j) is not None (a view into the
-        bucket being filled), and, when checksums is a dict, fills it with {name: checksum} of the FP8 weights the
-        rollout should hold afterwards. Double-buffered: the next bucket is packed while the previous one is on
-        the wire. verify: compare those checksums with the rollout's; a mismatch raises.
+        bucket being filled), and, when checksums is a dict, fills it with {key: checksum} of every weight the
+        rollout should hold afterwards (keys and sums as `held_checksums` gives them). Double-buffered: the next
+        bucket is packed while the previous one is on the wire. verify: compare those checksums with the rollout
+        ranks'; a mismatch, or a key no rank reports, raises.
 
         graphs: a key naming a producer that runs no collectives and reads the same storage on every call (an
         actor on one rank). On CUDA, the first sync under that key runs eagerly and then captures each bucket's
@@ -2623,12 +2654,18 @@ class RolloutClient:
         if graphs is not None and packer is None and self.device.type == "cuda":
             self.packers[graphs] = GraphPacker(spec, bucket_bytes, tensors, self.device)
         if verify:
+            seen = set()
             for r in self.ranks:
                 got = self._reply(r, tickets[r])[0]["checksums"]
                 bad = [n for n, c in got.items() if sums.get(n) != c]
                 if bad:
-                    raise RuntimeError(f"weight sync verification: rollout rank {r} holds different FP8 weights for "
-                                       f"{len(bad)} tensors, first {bad[:3]}")
+                    raise RuntimeError(f"weight sync verification: rollout rank {r} holds different weights for "
+                                       f"{len(bad)} of {len(got)} tensors, first {bad[:3]}")
+                seen.update(got)
+            unchecked = [n for n in sums if n not in seen]  # (under rollout EP each rank holds a slice of them)
+            if unchecked:
+                raise RuntimeError(f"weight sync verification: no rollout rank holds {len(unchecked)} of the "
+                                   f"{len(sums)} tensors sent, first {unchecked[:3]}")
         return total
 
     def _send_eager(self, spec: list, tensors, sums, bucket_bytes: int) -> int:

@@ -225,7 +225,7 @@ class RolloutConfig:
     max_tokens: int = 8
     sync_bucket_mb: float = 256.0
     sync_fp8: bool = True             # quantize on the actor: FP8 bytes + block scales cross the link (with fp8)
-    sync_verify: bool = False         # after each sync, compare checksums of the rollout's FP8 weights
+    sync_verify: bool = False         # after each sync, compare checksums of every weight the rollout holds
     sync_graphs: bool = True          # replay the sender's bucket packing as CUDA graphs (one actor rank, GPU)
 
     def __post_init__(self):
@@ -969,35 +969,34 @@ class Actor:
 
     def full_weights(self, dtype, fp8=None, checksums: dict | None = None, dst=None):
         """Collective over the actor ranks: the tensors of weight_spec(dtype, fp8), in order. checksums, if given,
-        collects the FP8 bytes and scales each rollout rank must end up with (for sync verification): per tensor,
-        or under rollout expert parallelism per expert slice, keyed 'name[a:b]'. dst(j), if given, is where the
-        j-th tensor is to be written (a view into a weight-sync bucket) or None: cast and quantization write
-        there directly, sparing a copy."""
-        j = 0
+        collects what each rollout rank must end up holding (for sync verification, `held_checksums`' keys and
+        sums): an FP8 rollout's FP8 bytes and scales, quantized from the actor's own values whatever travelled;
+        every other tensor as sent. Under rollout expert parallelism per expert slice, keyed 'name[a:b]'. dst(j),
+        if given, is where the j-th tensor is to be written (a view into a weight-sync bucket) or None: cast and
+        quantization write there directly, sparing a copy."""
+        j, ep = 0, self.cfg.rollout.ep
         for name, t in full_state(self.model, self.d.mesh):
             quantized = fp8 is not None and is_fp8_held(name)
             keep = quantized or self._sent_as_held(name, t)
             d = dst(j) if dst is not None and not quantized else None
             out = d.copy_(t) if d is not None else t if keep else t.to(dtype)
-            q = sc = None
-            if quantized or (checksums is not None and is_fp8_held(name)):  # the rollout quantizes on arrival
-                # (from the actor's own values either way: what the rollout must hold whatever travelled)
+            held = (out,)
+            if quantized or (checksums is not None and self.cfg.rollout.fp8 and is_fp8_held(name)):
+                # the rollout quantizes on arrival (from the actor's own values either way)
                 into = (dst(j), dst(j + 1)) if quantized and dst is not None else None
-                q, sc = block_quant(t, fp8 if quantized else fp8_dtype(self.d.device),
-                                    into if into and None not in into else None)
+                held = block_quant(t, fp8 if quantized else fp8_dtype(self.d.device),
+                                   into if into and None not in into else None)
             j += 2 if quantized else 1
-            if checksums is not None and q is not None:
-                ep = self.cfg.rollout.ep
+            if checksums is not None:
                 if ep > 1 and ".ffn.experts." in name:
-                    n = q.shape[0] // ep
+                    n = held[0].shape[0] // ep
                     for r in range(ep):
-                        checksums[f"{name}[{r * n}:{(r + 1) * n}]"] = checksum(q[r * n:(r + 1) * n]) + \
-                            checksum(sc[r * n:(r + 1) * n])
+                        part = slice(r * n, (r + 1) * n)
+                        checksums[f"{name}[{part.start}:{part.stop}]"] = sum(checksum(h[part]) for h in held)
                 else:
-                    checksums[name] = checksum(q) + checksum(sc)
+                    checksums[name] = sum(checksum(h) for h in held)
             if quantized:
-                yield q
-                yield sc
+                yield from held
             else:
                 yield out
 

@@ -102,10 +102,11 @@ def main(argv=None):
                 pass
         torch.cuda.synchronize()
         alone = time.perf_counter() - t0
-        # the same sync once more, checked: the rollout's FP8 bytes and scales against the actor's quantization
+        # the same sync once more, checked: every weight the rollout holds (FP8 bytes and scales against the
+        # actor's quantization, the rest against what was sent)
         client.sync_weights(spec, producer, bucket, verify=True, graphs=graphs)
         print(f"sender alone ({mode}, {'CUDA graphs' if packer else 'eager'}): packing takes {alone * 1e3:.1f} ms; "
-              f"a verified sync matched every FP8 tensor's checksum", flush=True)
+              f"a verified sync matched every weight's checksum", flush=True)
         res[mode] = {"bytes": sent, "wall_s": dt, "gb_s": sent / dt / 1e9, "fraction_of_raw": sent / dt / raw,
                      "sender_alone_s": alone, "graphs": packer is not None, "verified": True}
         print(f"sync {mode}: {sent / 1e9:.2f} GB in {dt:.3f} s = {sent / dt / 1e9:.1f} GB/s, "

@@ -12,20 +12,36 @@ from tests.recovery import SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
-                                   ["rollout.engine=simple"], ["fnuz"]],
+                                   ["rollout.engine=simple"], ["fnuz"], ["rollout.fp8=false", "rollout.dtype=bf16"]],
                          ids=["fsdp-fp8-send", "ep2-fp8-send", "fsdp-bf16-rollout-unquantized-send", "simple-engine",
-                              "fnuz-fp8-send"])
+                              "fnuz-fp8-send", "bf16-rollout"])
 def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
-    """With rollout.sync_verify every sync compares checksums of the rollout's FP8 bytes and scales with the
-    quantization of the actor's full (fp32) weights; any difference fails the run. With sync_fp8 off the FP8-held
-    weights travel in the actor's dtype, so a BF16 rollout quantizes what the actor holds (it quantized a BF16
-    copy before: other FP8 bytes than sync_fp8 gives). fnuz: every rank's FP8 is float8_e4m3fnuz, as on AMD
-    gfx942 (tests/fnuz_train.py)."""
+    """With rollout.sync_verify every sync compares checksums of every weight the rollout holds: its FP8 bytes and
+    scales with the quantization of the actor's full (fp32) weights, the other tensors with what was sent; any
+    difference fails the run. With sync_fp8 off the FP8-held weights travel in the actor's dtype, so a BF16 rollout
+    quantizes what the actor holds (it quantized a BF16 copy before: other FP8 bytes than sync_fp8 gives). fnuz:
+    every rank's FP8 is float8_e4m3fnuz, as on AMD gfx942 (tests/fnuz_train.py). A BF16 rollout (no FP8) holds
+    exactly what was sent."""
     out, fnuz = tmp_path / "run", extra == ["fnuz"]
     log = finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra[fnuz:]],
                         script="tests/fnuz_train.py" if fnuz else "train_grpo.py"))
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert not fnuz or log.count("-> float8_e4m3fnuz") == 3, log[-3000:]  # (each rank's first ask)
+
+
+@pytest.mark.parametrize("extra,damaged", [([], "['hc_head_fn', 'layers.0.attn.wq_a.weight']"),
+                                           (["rollout.fp8=false"], "['hc_head_fn']")], ids=["fp8", "bf16"])
+def test_sync_verify_catches_a_damaged_weight(tmp_path, extra, damaged):
+    """sync_verify can fail: the rollout rank flips one byte of what it received (GRPO_FAULT's nan at its first
+    sync: the first tensor sent and the first FP8-held one) and the driver stops the run naming them,
+    in an FP8 rollout and in a BF16 one (before, a BF16 rollout's sync was checked against nothing)."""
+    p = launch(tmp_path / "run", 1, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra],
+               env={"GRPO_FAULT": "2:sync:1:nan"})
+    log = finish(p, ok=False)
+    n = 2 if not extra else 1
+    assert p.returncode != 0 and (f"weight sync verification: rollout rank 2 holds different weights for {n} of "
+                                  f"126 tensors, first {damaged}") in log, log[-3000:]
+    assert metrics(tmp_path / "run") == []
 
 
 def test_off_policy_one_step_stale_and_still_learns(tmp_path):
