@@ -2425,7 +2425,7 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
                                  if not n.endswith(FP8_SCALE) and held_tensors(engine.model, n)[2]][:1]
         for name in dict.fromkeys(names):
             with torch.no_grad():
-                held_tensors(engine.model, name)[1][0].view(torch.uint8).view(-1)[:1].bitwise_xor_(1)
+                held_tensors(engine.model, name)[1][0].view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
     if meta.get("verify"):
         send_msg({"checksums": held_checksums(engine.model, spec)}, {}, driver, device)
 
