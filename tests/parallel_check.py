@@ -74,7 +74,9 @@ def main():
     ok = torch.allclose(got, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     errors = [] if ok else [f"loss {got.item()} vs {ref_loss.item()}"]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    grad_full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) if p.grad is not None else None
+    # (the plain collective of full_state's gather, checked against DTensor's own below; the functional one's wait
+    # was seen to crash now and then over gloo)
+    grad_full = {n: (gather_rows(p.grad) if hasattr(p.grad, "full_tensor") else p.grad) if p.grad is not None else None
                  for n, p in sharded.named_parameters()}
     for n, gfull in grad_full.items():
         if gfull is not None and mesh.ep > 1 and ".ffn.experts." in n:
