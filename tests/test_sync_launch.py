@@ -12,19 +12,21 @@ from tests.recovery import SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
-                                   ["rollout.engine=simple"], ["fnuz"], ["rollout.fp8=false", "rollout.dtype=bf16"]],
+                                   ["rollout.engine=simple"], ["fnuz"], ["rollout.fp8=false", "rollout.dtype=bf16"],
+                                   ["rollout.fp8=false", "rollout.dtype=bf16", "deploy.rollout_ranks=2", "rollout.ep=2"]],
                          ids=["fsdp-fp8-send", "ep2-fp8-send", "fsdp-bf16-rollout-unquantized-send", "simple-engine",
-                              "fnuz-fp8-send", "bf16-rollout"])
+                              "fnuz-fp8-send", "bf16-rollout", "bf16-rollout-ep2"])
 def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
     """With rollout.sync_verify every sync compares checksums of every weight the rollout holds: its FP8 bytes and
     scales with the quantization of the actor's full (fp32) weights, the other tensors with what was sent; any
     difference fails the run. With sync_fp8 off the FP8-held weights travel in the actor's dtype, so a BF16 rollout
     quantizes what the actor holds (it quantized a BF16 copy before: other FP8 bytes than sync_fp8 gives). fnuz:
     every rank's FP8 is float8_e4m3fnuz, as on AMD gfx942 (tests/fnuz_train.py). A BF16 rollout (no FP8) holds
-    exactly what was sent."""
+    exactly what was sent; under rollout expert parallelism each of its ranks holds its slice of the experts."""
     out, fnuz = tmp_path / "run", extra == ["fnuz"]
     log = finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra[fnuz:]],
-                        script="tests/fnuz_train.py" if fnuz else "train_grpo.py"))
+                        script="tests/fnuz_train.py" if fnuz else "train_grpo.py",
+                        nproc=4 if "rollout.ep=2" in extra else 3))
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert not fnuz or log.count("-> float8_e4m3fnuz") == 3, log[-3000:]  # (each rank's first ask)
 
