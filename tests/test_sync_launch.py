@@ -35,8 +35,8 @@ def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
                                            (["rollout.fp8=false"], "['hc_head_fn']")], ids=["fp8", "bf16"])
 def test_sync_verify_catches_a_damaged_weight(tmp_path, extra, damaged):
     """sync_verify can fail: the rollout rank flips one byte of what it received (GRPO_FAULT's nan at its first
-    sync: the first tensor sent and the first FP8-held one) and the driver stops the run naming them,
-    in an FP8 rollout and in a BF16 one (before, a BF16 rollout's sync was checked against nothing)."""
+    sync: the first tensor sent and the first FP8-held one) and the driver stops the run naming them, in an FP8
+    rollout and in a BF16 one (before, a BF16 rollout's sync was checked against nothing)."""
     p = launch(tmp_path / "run", 1, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra],
                env={"GRPO_FAULT": "2:sync:1:nan"})
     log = finish(p, ok=False)
