@@ -22,7 +22,7 @@ def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
     difference fails the run. With sync_fp8 off the FP8-held weights travel in the actor's dtype, so a BF16 rollout
     quantizes what the actor holds (it quantized a BF16 copy before: other FP8 bytes than sync_fp8 gives). fnuz:
     every rank's FP8 is float8_e4m3fnuz, as on AMD gfx942 (tests/fnuz_train.py). A BF16 rollout (no FP8) holds
-    exactly what was sent; under rollout expert parallelism each of its ranks its slice of the experts (on one
+    exactly what was sent, under rollout expert parallelism each rank its slice of the experts (on one
     rank: the next test, where all but the damaged tensor match)."""
     out, fnuz = tmp_path / "run", extra == ["fnuz"]
     log = finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra[fnuz:]],
