@@ -2421,9 +2421,8 @@ def _receive_weights(engine, meta: dict, driver: int, sync_group, device):
                 corrupt = fault_point("sync")
         pending = nxt
     if corrupt:  # the recovery tests' damaged sync: one byte of the first tensor and of the first FP8-held one
-        names = [spec[0][0]] + [n for n, _, _ in spec
-                                 if not n.endswith(FP8_SCALE) and held_tensors(engine.model, n)[2]][:1]
-        for name in dict.fromkeys(names):
+        fp8 = next((n for n, _, _ in spec if not n.endswith(FP8_SCALE) and held_tensors(engine.model, n)[2]), None)
+        for name in dict.fromkeys(n for n in (spec[0][0], fp8) if n is not None):
             with torch.no_grad():
                 held_tensors(engine.model, name)[1][0].view(-1).view(torch.uint8)[:1].bitwise_xor_(1)
     if meta.get("verify"):
