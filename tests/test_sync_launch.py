@@ -108,3 +108,12 @@ def test_bucket_layout_aligns_every_tensor():
     spec = [["a", "torch.float8_e4m3fn", [3, 5]], ["b", "torch.float32", [7]], ["c", "torch.bfloat16", [2, 3]]]
     assert bucket_layout(spec, [0, 1, 2]) == ([0, 16, 48], [15, 28, 12], 64)
     assert bucket_plan(spec, 48) == [[0, 1], [2]] and bucket_plan(spec, 47) == [[0], [1], [2]]
+
+
+def test_sync_checksums_match_what_the_applier_leaves():
+    """tests/sync_graph_check.py on CPU (eager packing; tests/test_gpu.py runs it on CUDA, where the packing is
+    replayed CUDA graphs): the sender's checksum pass equals held_checksums of the engine the buckets were applied
+    to, FP8 and BF16 syncs, before and after an in-place update of the actor."""
+    from tests import sync_graph_check
+    r = sync_graph_check.launch()
+    assert r.returncode == 0 and "sync check passed" in r.stdout, (r.stdout + r.stderr)[-4000:]

@@ -1,0 +1,107 @@
+"""Run under torchrun on one rank: a weight sync's bytes from an actor to an engine in the same process, checked
+the way `rollout.sync_verify` checks it.
+
+    torchrun --standalone --nproc-per-node 1 tests/sync_graph_check.py [--device cuda] [dotted.key=value ...]
+
+The actor (one rank, the train.* settings of configs/tiny.yaml with the overrides) packs its weights into the
+sync buckets as `RolloutClient.sync_weights` does: on CUDA through `GraphPacker`'s captured graphs, replayed (the
+path a real run takes with one actor rank on a GPU), on CPU by the eager packing. Each bucket is copied into the
+receiver's `WeightApplier` buffer and applied to the engine, as `_receive_weights` does after a broadcast. Then
+the producer's checksum pass (the one sync_weights makes after a replayed sync) must give exactly the checksums
+`held_checksums` reads from the engine, for an FP8 sync (FP8 bytes and scales) and a BF16 one (quantized on
+arrival), before and after an in-place update of the actor's weights (the replayed graphs must see it).
+Exits non-zero on a mismatch.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import build_model  # noqa: E402
+from model.parallel import local, make_actor_groups  # noqa: E402
+from rollout_server import GraphPacker, WeightApplier, bucket_layout, bucket_plan, held_checksums, pack_bucket  # noqa: E402
+from train_grpo import DTYPES, Actor, Dist, RunConfig, make_engine  # noqa: E402
+
+
+def packed_buckets(spec, producer, bucket_bytes, packer):
+    """Each bucket's bytes in turn, as the sender broadcasts them: replayed graphs, or the eager packing."""
+    if packer is not None:
+        for k in range(len(packer.graphs)):
+            yield packer.pack(k)
+        return
+    views = {}
+    it = iter(producer(views.get, None))
+    for idx in bucket_plan(spec, bucket_bytes):
+        buf = torch.zeros(bucket_layout(spec, idx)[2], dtype=torch.uint8)
+        pack_bucket(spec, idx, buf, it, views)
+        yield buf
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--bucket-mb", type=float, default=0.05)  # several buckets, FP8 tensors split across them
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dist.get_world_size() != 1:
+        raise SystemExit("tests/sync_graph_check.py runs on one rank (--nproc-per-node 1)")
+    cfg = RunConfig.load("configs/tiny.yaml", ["rollout.fp8=true", *args.overrides])
+    d = Dist(0, 1, 1, dev, make_actor_groups(1, 1, dev.type), None)
+    actor = Actor(cfg, d)
+    engine = make_engine(cfg, build_model(cfg.model, dev, DTYPES[cfg.rollout.dtype], seed=None), dev)
+    bucket_bytes = int(args.bucket_mb * 2 ** 20)
+    rdtype, fp8 = actor.sync_format()
+    for mode, q in (("fp8", fp8), ("bf16", None)):
+        spec = actor.weight_spec(rdtype, q)
+        producer = lambda dst, sums, q=q: actor.full_weights(rdtype, q, sums, dst)  # noqa: E731
+        packer = GraphPacker(spec, bucket_bytes, producer, dev) if actor.sync_capturable() else None
+        applier = WeightApplier(engine.model, spec, bucket_bytes, dev)
+        before = None
+        for rnd in range(2):
+            n = 0
+            for k, buf in enumerate(packed_buckets(spec, producer, bucket_bytes, packer)):
+                applier.bucket(k).copy_(buf)
+                applier.apply(k)
+                n += 1
+            sums = {}
+            for _ in producer(None, sums):
+                pass
+            held = held_checksums(engine.model, spec)
+            if held.keys() != sums.keys():
+                raise SystemExit(f"{mode} round {rnd}: the engine holds {sorted(held.keys() ^ sums.keys())[:3]} "
+                                 f"unlike the sender's checksums")
+            bad = [key for key in sums if sums[key] != held[key]]
+            if bad:
+                raise SystemExit(f"{mode} round {rnd}: {len(bad)} of {len(sums)} tensors differ, first {bad[:3]}")
+            if before is not None and sum(before[key] != sums[key] for key in sums) < len(sums) // 2:
+                raise SystemExit(f"{mode} round {rnd}: the update changed too few checksums (a stale capture?)")
+            before = sums
+            print(f"{mode} round {rnd}: {n} buckets ({'CUDA graphs' if packer else 'eager'}), "
+                  f"{len(sums)} checksums match", flush=True)
+            with torch.no_grad():  # an optimizer step: in place, after the capture
+                for p in actor.params:
+                    local(p).mul_(-1.5).add_(0.25)
+    dist.destroy_process_group()
+    print("sync check passed", flush=True)
+
+
+def launch(*extra: str, timeout: float = 300):
+    """This check under torchrun on one rank, extra its arguments: the finished process (the tests assert its
+    returncode, its output tail their message)."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           __file__, *extra], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"), timeout=timeout)
+
+
+if __name__ == "__main__":
+    main()
