@@ -26,6 +26,26 @@ from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, 
                             make_actor_groups, reshard, sharded_actor)
 
 
+def init_rank(device: str) -> torch.device:
+    """This torchrun rank's device (cuda: its LOCAL_RANK's GPU, made current) and process group (NCCL on a GPU,
+    else gloo), one CPU thread."""
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dev
+
+
+def torchrun(script: str, n: int, *args: str, timeout: float = 600, **env: str):
+    """script under torchrun on n ranks with args, env added to the environment (OMP threads 1): the finished
+    process (the tests assert its returncode, its output tail their message)."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           script, *args], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=timeout)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
@@ -33,11 +53,7 @@ def main():
     ap.add_argument("--no-reshard", action="store_true")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    dev = init_rank(args.device)
     N, rank = dist.get_world_size(), dist.get_rank()
     mesh = make_actor_groups(N, args.ep, dev.type)
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
@@ -133,12 +149,8 @@ def main():
 
 
 def launch(n: int, ep: int, *extra: str, timeout: float = 600, **env: str):
-    """This check under torchrun on n ranks (`--ep ep` plus extra flags), env added to the environment (OMP threads
-    1): the finished process (the tests assert its returncode, its output tail their message)."""
-    import subprocess
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                           __file__, "--ep", str(ep), *extra], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=timeout)
+    """This check under torchrun on n ranks (`--ep ep` plus extra flags): `torchrun`'s finished process."""
+    return torchrun(__file__, n, "--ep", str(ep), *extra, timeout=timeout, **env)
 
 
 if __name__ == "__main__":

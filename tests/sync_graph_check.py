@@ -13,7 +13,6 @@ arrival), before and after an in-place update of the actor's weights (the replay
 Exits non-zero on a mismatch.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -23,7 +22,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import build_model  # noqa: E402
 from model.parallel import local, make_actor_groups  # noqa: E402
-from rollout_server import GraphPacker, WeightApplier, bucket_layout, bucket_plan, held_checksums, pack_bucket  # noqa: E402
+from rollout_server import (GraphPacker, WeightApplier, bucket_layout, bucket_plan, held_checksums,  # noqa: E402
+                            pack_bucket)
+from tests.parallel_check import init_rank, torchrun  # noqa: E402
 from train_grpo import DTYPES, Actor, Dist, RunConfig, make_engine  # noqa: E402
 
 
@@ -47,11 +48,7 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=0.05)  # several buckets, FP8 tensors split across them
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    dev = init_rank(args.device)
     if dist.get_world_size() != 1:
         raise SystemExit("tests/sync_graph_check.py runs on one rank (--nproc-per-node 1)")
     cfg = RunConfig.load("configs/tiny.yaml", ["rollout.fp8=true", *args.overrides])
@@ -95,12 +92,8 @@ def main():
 
 
 def launch(*extra: str, timeout: float = 300):
-    """This check under torchrun on one rank, extra its arguments: the finished process (the tests assert its
-    returncode, its output tail their message)."""
-    import subprocess
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           __file__, *extra], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"), timeout=timeout)
+    """This check under torchrun on one rank, extra its arguments: `torchrun`'s finished process."""
+    return torchrun(__file__, 1, *extra, timeout=timeout, NCCL_NVLS_ENABLE="0")
 
 
 if __name__ == "__main__":
