@@ -3,13 +3,13 @@ the way `rollout.sync_verify` checks it.
 
     torchrun --standalone --nproc-per-node 1 tests/sync_graph_check.py [--device cuda] [dotted.key=value ...]
 
-The actor (one rank, the train.* settings of configs/tiny.yaml with the overrides) packs its weights into the
-sync buckets as `RolloutClient.sync_weights` does: on CUDA through `GraphPacker`'s captured graphs, replayed (the
-path a real run takes with one actor rank on a GPU), on CPU by the eager packing. Each bucket is copied into the
-receiver's `WeightApplier` buffer and applied to the engine, as `_receive_weights` does after a broadcast. Then
-the producer's checksum pass (the one sync_weights makes after a replayed sync) must give exactly the checksums
-`held_checksums` reads from the engine, for an FP8 sync (FP8 bytes and scales) and a BF16 one (quantized on
-arrival), before and after an in-place update of the actor's weights (the replayed graphs must see it).
+The actor (one rank, configs/tiny.yaml with the overrides) packs its weights into the sync buckets as
+`RolloutClient.sync_weights` does: on CUDA through `GraphPacker`'s captured graphs, replayed (the path a real run
+takes with one actor rank on a GPU), on CPU by the eager packing. Each bucket is copied into the receiver's
+`WeightApplier` buffer and applied to the engine, as `_receive_weights` does after a broadcast. Then the producer's
+checksum pass (the one sync_weights makes after a replayed sync) must give exactly the checksums `held_checksums`
+reads from the engine, for an FP8 sync (FP8 bytes and scales) and one in the rollout's dtype (the FP8-held tensors
+quantized on arrival), before and after an in-place update of the actor's weights (the replayed graphs must see it).
 Exits non-zero on a mismatch.
 """
 import argparse
@@ -57,7 +57,7 @@ def main():
     engine = make_engine(cfg, build_model(cfg.model, dev, DTYPES[cfg.rollout.dtype], seed=None), dev)
     bucket_bytes = int(args.bucket_mb * 2 ** 20)
     rdtype, fp8 = actor.sync_format()
-    for mode, q in (("fp8", fp8), ("bf16", None)):
+    for mode, q in (("fp8", fp8), (str(rdtype).removeprefix("torch."), None)):
         spec = actor.weight_spec(rdtype, q)
         producer = lambda dst, sums, q=q: actor.full_weights(rdtype, q, sums, dst)  # noqa: E731
         packer = GraphPacker(spec, bucket_bytes, producer, dev) if actor.sync_capturable() else None

@@ -889,8 +889,8 @@ def test_sync_graph_packer_matches_eager_packing():
 def test_sync_graph_replay_passes_verification(extra):
     """tests/sync_graph_check.py on one GPU: a one-rank actor's weights packed by GraphPacker's replayed graphs,
     applied to an engine as the rollout applies a broadcast, hold exactly the checksums the verification pass after
-    a replayed sync computes (rollout.sync_verify's path with CUDA graphs), FP8 and BF16 syncs, and still after an
-    in-place update of the actor's weights."""
+    a replayed sync computes (rollout.sync_verify's path with CUDA graphs), in FP8 syncs and syncs in the rollout's
+    dtype, and still after an in-place update of the actor's weights."""
     from tests import sync_graph_check
     r = sync_graph_check.launch("--device", "cuda", *extra)
     assert r.returncode == 0 and r.stdout.count("(CUDA graphs)") == 4, (r.stdout + r.stderr)[-4000:]

@@ -113,7 +113,7 @@ def test_bucket_layout_aligns_every_tensor():
 def test_sync_checksums_match_what_the_applier_leaves():
     """tests/sync_graph_check.py on CPU (eager packing; tests/test_gpu.py runs it on CUDA, where the packing is
     replayed CUDA graphs): the sender's checksum pass equals held_checksums of the engine the buckets were applied
-    to, FP8 and BF16 syncs, before and after an in-place update of the actor."""
+    to, FP8 syncs and syncs in the rollout's dtype, before and after an in-place update of the actor."""
     from tests import sync_graph_check
     r = sync_graph_check.launch()
     assert r.returncode == 0 and "sync check passed" in r.stdout, (r.stdout + r.stderr)[-4000:]
