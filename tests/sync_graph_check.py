@@ -22,24 +22,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import build_model  # noqa: E402
 from model.parallel import local, make_actor_groups  # noqa: E402
-from rollout_server import (GraphPacker, WeightApplier, bucket_layout, bucket_plan, held_checksums,  # noqa: E402
-                            pack_bucket)
+from rollout_server import GraphPacker, WeightApplier, held_checksums, pack_bucket  # noqa: E402
 from tests.parallel_check import init_rank, torchrun  # noqa: E402
 from train_grpo import DTYPES, Actor, Dist, RunConfig, make_engine  # noqa: E402
-
-
-def packed_buckets(spec, producer, bucket_bytes, packer):
-    """Each bucket's bytes in turn, as the sender broadcasts them: replayed graphs, or the eager packing."""
-    if packer is not None:
-        for k in range(len(packer.graphs)):
-            yield packer.pack(k)
-        return
-    views = {}
-    it = iter(producer(views.get, None))
-    for idx in bucket_plan(spec, bucket_bytes):
-        buf = torch.zeros(bucket_layout(spec, idx)[2], dtype=torch.uint8)
-        pack_bucket(spec, idx, buf, it, views)
-        yield buf
 
 
 def main():
@@ -64,11 +49,15 @@ def main():
         applier = WeightApplier(engine.model, spec, bucket_bytes, dev)
         before = None
         for rnd in range(2):
-            n = 0
-            for k, buf in enumerate(packed_buckets(spec, producer, bucket_bytes, packer)):
-                applier.bucket(k).copy_(buf)
+            # each bucket as the sender makes it (replayed graphs, or the eager packing), in the receiver's buffer
+            views = {}
+            it = None if packer else iter(producer(views.get, None))
+            for k, idx in enumerate(applier.plans):
+                if packer is not None:
+                    applier.bucket(k).copy_(packer.pack(k))
+                else:
+                    pack_bucket(spec, idx, applier.bucket(k), it, views)
                 applier.apply(k)
-                n += 1
             sums = {}
             for _ in producer(None, sums):
                 pass
@@ -82,7 +71,7 @@ def main():
             if before is not None and sum(before[key] != sums[key] for key in sums) < len(sums) // 2:
                 raise SystemExit(f"{mode} round {rnd}: the update changed too few checksums (a stale capture?)")
             before = sums
-            print(f"{mode} round {rnd}: {n} buckets ({'CUDA graphs' if packer else 'eager'}), "
+            print(f"{mode} round {rnd}: {len(applier.plans)} buckets ({'CUDA graphs' if packer else 'eager'}), "
                   f"{len(sums)} checksums match", flush=True)
             with torch.no_grad():  # an optimizer step: in place, after the capture
                 for p in actor.params:
