@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rollout_server import bucket_layout, bucket_plan
-from tests.recovery import SMALL, finish, launch, metrics
+from tests.recovery import N_ACTOR, SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
@@ -27,7 +27,7 @@ def test_sync_leaves_exactly_the_fp8_quantized_actor_weights(tmp_path, extra):
     out, fnuz = tmp_path / "run", extra == ["fnuz"]
     log = finish(launch(out, 2, ["rollout.sync_verify=true", "ckpt.every=0", "eval.every=0", *extra[fnuz:]],
                         script="tests/fnuz_train.py" if fnuz else "train_grpo.py",
-                        nproc=2 + (2 if "deploy.rollout_ranks=2" in extra else 1)))  # actor ranks + rollout ranks
+                        nproc=N_ACTOR + (2 if "deploy.rollout_ranks=2" in extra else 1)))  # + rollout ranks
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert not fnuz or log.count("-> float8_e4m3fnuz") == 3, log[-3000:]  # (each rank's first ask)
 
