@@ -268,7 +268,6 @@ if triton is not None:
                          KEYBITS)
         if sp == 0:
             tl.store(LO + b * (KEYBITS // RBITS) + q, lo)
-        lse, _ = _thr_lse(ST, b, S)
         inv = 1.0 / t
         j = tl.arange(0, R)
         cand = _key_value(lo + (j.to(tl.int64) << (KEYBITS - RBITS * (q + 1))), KEYBITS, LOGITS.dtype.element_ty)
@@ -278,6 +277,7 @@ if triton is not None:
         cnt = tl.zeros((R, BLOCK), tl.int32)
         mass = tl.zeros((R, BLOCK), tl.float32)
         if p_lim < float("inf"):
+            lse, _ = _thr_lse(ST, b, S)  # (the masses' normalizer: top-k alone needs none)
             for i in range(0, CHUNK, BLOCK):
                 v = sp * CHUNK + i + r
                 mv = v < V
