@@ -1255,6 +1255,8 @@ class PagedCache:
                 self.iprev_kv[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
                 self.iprev_gate[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
                 self.ikeys[li] = torch.zeros(n_blocks[kind], block_entries, ic.head_dim, device=device)
+        # the kinds some layer keeps entries of: a pool no layer writes holds no bytes, and no sequence needs its blocks
+        self.paged = {k: r for k, r in self.ratio.items() if k in self.kind.values()}
         self.alloc = {k: BlockAllocator(n) for k, n in n_blocks.items()}
         # blocks promised to the forks of admitted groups still prefilling (fork_need): not free to anyone else
         self.promised = {k: 0 for k in self.ratio}
@@ -1271,8 +1273,8 @@ class PagedCache:
         return [d[li] for d in (self.entries, self.ikeys) for li in d if self.kind[li] == kind]
 
     def blocks_for(self, upto: int) -> dict:
-        """Blocks a sequence needs once positions [0, upto) are cached."""
-        return {k: -(-(upto // r) // self.BE) for k, r in self.ratio.items()}
+        """Blocks a sequence needs once positions [0, upto) are cached (kinds no layer has need none)."""
+        return {k: -(-(upto // r) // self.BE) for k, r in self.paged.items()}
 
     def shortfall(self, seq: Sequence, upto: int) -> dict:
         need = self.blocks_for(upto)
@@ -1281,10 +1283,10 @@ class PagedCache:
     def step_need(self, seqs: list[Sequence], lags=None) -> tuple[dict, list]:
         """shortfall(s, s.fed + lag + 1) summed over seqs, and the (sequence, lag) pairs short of a block (one decode
         step; lag: steps of the sequence still in flight)."""
-        need, short, BE = {k: 0 for k in self.ratio}, [], self.BE
+        need, short, BE = {k: 0 for k in self.paged}, [], self.BE
         for s, g in zip(seqs, lags or [0] * len(seqs)):
             u, lacks = s.fed + g + 1, False
-            for k, r in self.ratio.items():
+            for k, r in self.paged.items():
                 n = -(-(u // r) // BE) - len(s.blocks[k])
                 if n > 0:
                     need[k] += n
@@ -1299,7 +1301,7 @@ class PagedCache:
     def fork_need(self, seq: Sequence) -> dict:
         """Blocks one fork of seq allocates once its prompt is cached: a copy of each partly filled last block."""
         n = len(seq.feed)
-        return {k: int((n // r) % self.BE != 0) for k, r in self.ratio.items()}
+        return {k: int((n // r) % self.BE != 0) for k, r in self.paged.items()}
 
     def _sync_table(self, seq: Sequence, kind: str):
         row = self.tables[kind][seq.slot]

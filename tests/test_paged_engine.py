@@ -86,6 +86,27 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
 
 
 
+@pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 16, 0, 16], [4, 0, 4, 0]], ids=["sliding", "hca", "csa"])
+def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
+    """3 usable blocks a pool of 4 entries: the three requests below need 3 blocks each of a ratio-4 (CSA) pool and 1
+    each of a ratio-16 (HCA) pool. A model without CSA layers must run them together with no preemption (a pool no
+    layer writes must not throttle the schedule); one with CSA layers must preempt, or the pools were not small."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32",
+                                                                f"model.compress_ratios={ratios}"])["model"])
+    model = input_dependent(build_model(cfg, seed=1), seed=1).eval()
+    prompts = _prompts([9, 30, 21], seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 12, 20)]
+    eng = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, num_blocks=4,
+                 block_entries=4, max_seqs=3)
+    out = eng.generate(prompts, params)
+    for o in out:
+        full = torch.tensor([o.prompt_token_ids + o.token_ids])
+        with torch.no_grad():
+            logits = model(full)
+        assert logits[0, len(o.prompt_token_ids) - 1:-1].argmax(-1).tolist() == o.token_ids
+    assert (eng.stats["preemptions"] > 0) == (4 in ratios)
+
+
 @pytest.mark.parametrize("extra,attn_kw", [
     (256, {}),                           # a chunk's prompts in one padded group, its queries in one piece
     (0, {}),                             # in several groups
