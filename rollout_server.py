@@ -1341,7 +1341,7 @@ class PagedCache:
         src = torch.tensor([s.slot for s, _ in pairs], device=dev)
         for t in self.slot_tensors() + list(self.tables.values()):  # (block tables: src's row, then own blocks)
             t[slots] = t[src]  # (advanced indexing copies first: no dst slot is a src slot)
-        for k in self.ratio:
+        for k in self.paged:
             old, new, rows, cols = [], [], [], []
             for s, dsts in groups:
                 bl = s.blocks[k]

@@ -85,11 +85,10 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
         assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
 
 
-
 @pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 16, 0, 16], [4, 0, 4, 0]], ids=["sliding", "hca", "csa"])
 def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
-    """3 usable blocks a pool of 4 entries: the three requests below need 3 blocks each of a ratio-4 (CSA) pool and 1
-    each of a ratio-16 (HCA) pool. A model without CSA layers must run them together with no preemption (a pool no
+    """Each pool 3 usable blocks of 4 entries: the three requests below need 3 blocks each of a ratio-4 (CSA) pool and
+    1 each of a ratio-16 (HCA) pool. A model without CSA layers must run them together with no preemption (a pool no
     layer writes must not throttle the schedule); one with CSA layers must preempt, or the pools were not small."""
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32",
                                                                 f"model.compress_ratios={ratios}"])["model"])
