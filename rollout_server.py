@@ -1805,7 +1805,8 @@ class Runner:
 
 class Engine:
     """The paged FP8 engine (see the module docstring). Pools are sized from the memory left after the weights
-    (mem_fraction of it) unless num_blocks is given; max_model_len bounds prompt + completion."""
+    (mem_fraction of it) unless num_blocks is given (one count for both pools, or {"csa": n, "hca": m}, where a
+    pool no layer of the model writes may be left out); max_model_len bounds prompt + completion."""
 
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str | None = None, max_seqs: int = 256, max_model_len: int = 4096,
@@ -1824,7 +1825,7 @@ class Engine:
                  {} if num_blocks is None else {"num_blocks": num_blocks})
         check_sizes(max_seqs=max_seqs, max_model_len=max_model_len, block_entries=block_entries,
                     max_batch_tokens=max_batch_tokens, **pools)
-        if isinstance(num_blocks, dict) and set(num_blocks) != set(PagedCache.POOLS):
+        if isinstance(num_blocks, dict) and not set(num_blocks) <= set(PagedCache.POOLS):
             raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} (an integer, or one a pool: keys "
                              f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
@@ -1854,8 +1855,15 @@ class Engine:
         cfg = self.cfg
         full = {k: self.max_seqs * max(1, -(-(self.max_model_len // r) // BE)) + 1
                 for k, r in zip(PagedCache.POOLS, (cfg.csa_ratio, cfg.hca_ratio))}
+        if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes)
+            lack = sorted({"csa" if blk.attn.indexer is not None else "hca" for blk in self.model.layers
+                           if blk.attn.compressor is not None} - set(num_blocks))
+            if lack:
+                raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
+                                 f"this model's {lack[0].upper()} layers need")
+            return {**full, **{k: int(n) for k, n in num_blocks.items()}}
         if num_blocks is not None:
-            return dict(num_blocks) if isinstance(num_blocks, dict) else {k: int(num_blocks) for k in full}
+            return {k: int(num_blocks) for k in full}
         if self.device.type != "cuda":
             return full
         esize = torch.empty(0, dtype=self.dtype).element_size()

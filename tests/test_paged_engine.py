@@ -104,6 +104,14 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
             logits = model(full)
         assert logits[0, len(o.prompt_token_ids) - 1:-1].argmax(-1).tolist() == o.token_ids
     assert (eng.stats["preemptions"] > 0) == (4 in ratios)
+    # num_blocks as a dict may leave out the pool no layer writes, not one a layer does
+    used = {k for k, r in (("csa", 4), ("hca", 16)) if r in ratios}
+    named = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64,
+                   num_blocks={k: 4 for k in used}, block_entries=4, max_seqs=3).generate(prompts, params)
+    assert [o.token_ids for o in named] == [o.token_ids for o in out]
+    for k in used:
+        with pytest.raises(ValueError, match=f"has no '{k}' pool, which this model's {k.upper()} layers need"):
+            Engine(model, device="cpu", num_blocks={j: 4 for j in used - {k}})
 
 
 @pytest.mark.parametrize("extra,attn_kw", [
@@ -774,9 +782,8 @@ def test_generate_checks_its_arguments_again(model):
     for bad in (5, None):
         with pytest.raises(TypeError, match="model_or_path: a checkpoint directory"):
             Engine(bad, device="cpu")
-    for nb in ({"csa": 8}, {"csa": 8, "hca": 8, "foo": 4}):
-        with pytest.raises(ValueError, match="num_blocks=.*keys 'csa', 'hca'"):
-            Engine(model, device="cpu", num_blocks=nb)
+    with pytest.raises(ValueError, match="num_blocks=.*keys 'csa', 'hca'"):
+        Engine(model, device="cpu", num_blocks={"csa": 8, "hca": 8, "foo": 4})
 
 
 def test_every_eos_id_of_a_list_ends_a_sequence(model, tmp_path):
