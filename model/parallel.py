@@ -175,7 +175,7 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout, chunk_rows), gathered with one
-    all_gather_into_tensor on its mesh's group into padded chunks. The same values as t.full_tensor(), through the
+    all-gather on its mesh's group into padded chunks. The same values as t.full_tensor(), through the
     plain collective rather than the functional ones (an intermittent native crash in their wait was seen in
     weight syncs over gloo)."""
     from torch.distributed.tensor import Shard
@@ -190,7 +190,8 @@ def gather_rows(t: torch.Tensor) -> torch.Tensor:
         send = part.new_zeros((size, *part.shape[1:]))
         send[:part.shape[0]] = part
     out = part.new_empty((n * size, *part.shape[1:]))
-    dist.all_gather_into_tensor(out, send, group=mesh.get_group())
+    # (all_gather_single: all_gather_into_tensor's name from torch 2.13 on, where the old one warns it is deprecated)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, send, group=mesh.get_group())
     return out[:rows]
 
 

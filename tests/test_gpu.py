@@ -900,7 +900,7 @@ def test_sync_graph_replay_passes_verification(extra):
 @pytest.mark.parametrize("ep, extra", [(1, []), (2, ["--no-reshard"])], ids=["fsdp2", "ep2-no-reshard"])
 def test_sharded_actor_nccl(ep, extra):
     """tests/parallel_check.py on 2 GPUs over NCCL (the CPU tests run it over gloo): the sharded actor's loss,
-    gradients, AdamW step and full_state (gather_rows' all_gather_into_tensor, rows split unevenly) against the
+    gradients, AdamW step and full_state (gather_rows' all-gather, rows split unevenly) against the
     single-process model."""
     from tests import parallel_check
     r = parallel_check.launch(2, ep, "--device", "cuda", *extra, timeout=300, NCCL_NVLS_ENABLE="0")
