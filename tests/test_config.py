@@ -55,6 +55,11 @@ def test_transformers_config_naming():
     assert back.compress_rates == hf.compress_rates and back.qk_rope_head_dim == 16
 
 
+# configs that leave out shape keys on purpose (test_config_json_without_its_shape_keys_warns checks the warning)
+FLASH_SHAPES_TAKEN = pytest.mark.filterwarnings("ignore:.*DeepSeek-V4-Flash's values taken:UserWarning")
+
+
+@FLASH_SHAPES_TAKEN
 def test_ambiguous_compress_ratios_need_layer_types():
     with pytest.raises(ConfigError, match="compress_ratios uses only ratio 8"):
         ModelConfig.from_hf_config({"num_hidden_layers": 2, "compress_ratios": [0, 8]})
@@ -141,6 +146,7 @@ def test_bare_config_name_found_in_configs(tmp_path, monkeypatch):
         load_yaml("sub/tiny.yaml")
 
 
+@FLASH_SHAPES_TAKEN
 def test_malformed_config_json_is_named(tmp_path):
     """config.json shapes that raised AttributeError / TypeError deep in from_hf_config name the file and key."""
     for body, match in [("[]", "top level: must be a JSON object"),
