@@ -1231,15 +1231,13 @@ class PagedCache:
         self.win, self.entries, self.ikeys = {}, {}, {}
         self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate = {}, {}, {}, {}
         self.ibuf_kv, self.ibuf_gate, self.iprev_kv, self.iprev_gate = {}, {}, {}, {}
-        self.kind = {}
+        self.kind = self.layer_kinds(model)
         for li, blk in enumerate(model.layers):
             a = blk.attn
             self.win[li] = torch.zeros(S, a.window, a.head_dim, device=device, dtype=dtype)
             if a.compressor is None:
                 continue
-            c = a.compressor
-            kind = "csa" if a.indexer is not None else "hca"
-            self.kind[li] = kind
+            c, kind = a.compressor, self.kind[li]
             width = c.wkv.weight.shape[0]
             self.buf_kv[li] = torch.zeros(S, c.ratio, width, device=device)
             self.buf_gate[li] = torch.zeros(S, c.ratio, width, device=device)
@@ -1263,6 +1261,13 @@ class PagedCache:
         self.free_slots = deque(range(n_slots))
         # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
         self.tables = {k: torch.zeros(S, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
+
+    @staticmethod
+    def layer_kinds(model: Transformer) -> dict:
+        """{layer index: the pool its compressed entries go to} for the layers that compress: CSA (with an indexer)
+        or HCA."""
+        return {li: "csa" if blk.attn.indexer is not None else "hca" for li, blk in enumerate(model.layers)
+                if blk.attn.compressor is not None}
 
     # -- slots and blocks -------------------------------------------------------------------------------
     def slot_tensors(self):
@@ -1856,8 +1861,7 @@ class Engine:
         full = {k: self.max_seqs * max(1, -(-(self.max_model_len // r) // BE)) + 1
                 for k, r in zip(PagedCache.POOLS, (cfg.csa_ratio, cfg.hca_ratio))}
         if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes)
-            lack = sorted({"csa" if blk.attn.indexer is not None else "hca" for blk in self.model.layers
-                           if blk.attn.compressor is not None} - set(num_blocks))
+            lack = sorted(set(PagedCache.layer_kinds(self.model).values()) - set(num_blocks))
             if lack:
                 raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
                                  f"this model's {lack[0].upper()} layers need")
