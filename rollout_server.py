@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import numbers
@@ -1227,32 +1228,10 @@ class PagedCache:
         self.ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
         self.max_blocks = {k: max(1, -(-(max_len // r) // block_entries)) for k, r in self.ratio.items()}
         self.trash = n_slots
-        S = n_slots + 1
-        self.win, self.entries, self.ikeys = {}, {}, {}
-        self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate = {}, {}, {}, {}
-        self.ibuf_kv, self.ibuf_gate, self.iprev_kv, self.iprev_gate = {}, {}, {}, {}
         self.kind = self.layer_kinds(model)
-        for li, blk in enumerate(model.layers):
-            a = blk.attn
-            self.win[li] = torch.zeros(S, a.window, a.head_dim, device=device, dtype=dtype)
-            if a.compressor is None:
-                continue
-            c, kind = a.compressor, self.kind[li]
-            width = c.wkv.weight.shape[0]
-            self.buf_kv[li] = torch.zeros(S, c.ratio, width, device=device)
-            self.buf_gate[li] = torch.zeros(S, c.ratio, width, device=device)
-            if c.overlap:
-                self.prev_kv[li] = torch.zeros(S, c.ratio, c.head_dim, device=device)
-                self.prev_gate[li] = torch.zeros(S, c.ratio, c.head_dim, device=device)
-            self.entries[li] = torch.zeros(n_blocks[kind], block_entries, c.head_dim, device=device, dtype=dtype)
-            if a.indexer is not None:
-                ic = a.indexer.compressor
-                iw = ic.wkv.weight.shape[0]
-                self.ibuf_kv[li] = torch.zeros(S, ic.ratio, iw, device=device)
-                self.ibuf_gate[li] = torch.zeros(S, ic.ratio, iw, device=device)
-                self.iprev_kv[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
-                self.iprev_gate[li] = torch.zeros(S, ic.ratio, ic.head_dim, device=device)
-                self.ikeys[li] = torch.zeros(n_blocks[kind], block_entries, ic.head_dim, device=device)
+        for name, per_layer in self.shapes(model, n_slots, n_blocks, block_entries, dtype).items():
+            setattr(self, name, {li: torch.zeros(shape, dtype=dt, device=device) for li, (shape, dt) in
+                                 per_layer.items()})
         # the kinds some layer keeps entries of: a pool no layer writes holds no bytes, and no sequence needs its blocks
         self.paged = {k: r for k, r in self.ratio.items() if k in self.kind.values()}
         self.alloc = {k: BlockAllocator(n) for k, n in n_blocks.items()}
@@ -1260,7 +1239,7 @@ class PagedCache:
         self.promised = {k: 0 for k in self.ratio}
         self.free_slots = deque(range(n_slots))
         # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
-        self.tables = {k: torch.zeros(S, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
+        self.tables = {k: torch.zeros(n_slots + 1, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
 
     @staticmethod
     def layer_kinds(model: Transformer) -> dict:
@@ -1269,13 +1248,46 @@ class PagedCache:
         return {li: "csa" if blk.attn.indexer is not None else "hca" for li, blk in enumerate(model.layers)
                 if blk.attn.compressor is not None}
 
+    # the per-layer tensors: a row a slot, and a block pool's
+    SLOT_STATE = ("win", "buf_kv", "buf_gate", "prev_kv", "prev_gate", "ibuf_kv", "ibuf_gate", "iprev_kv",
+                  "iprev_gate")
+    BLOCK_STATE = ("entries", "ikeys")
+
+    @classmethod
+    def shapes(cls, model: Transformer, n_slots: int, n_blocks: dict, block_entries: int, dtype) -> dict:
+        """{tensor name: {layer index: (shape, dtype)}} of everything the cache holds a layer (what __init__
+        allocates, and what the engine's pool sizing counts)."""
+        S, f32, kinds = n_slots + 1, torch.float32, cls.layer_kinds(model)
+        out = {name: {} for name in cls.SLOT_STATE + cls.BLOCK_STATE}
+        for li, blk in enumerate(model.layers):
+            a = blk.attn
+            out["win"][li] = (S, a.window, a.head_dim), dtype
+            if a.compressor is None:
+                continue
+            c = a.compressor
+            out["buf_kv"][li] = out["buf_gate"][li] = (S, c.ratio, c.wkv.weight.shape[0]), f32
+            if c.overlap:
+                out["prev_kv"][li] = out["prev_gate"][li] = (S, c.ratio, c.head_dim), f32
+            out["entries"][li] = (n_blocks[kinds[li]], block_entries, c.head_dim), dtype
+            if a.indexer is not None:
+                ic = a.indexer.compressor
+                out["ibuf_kv"][li] = out["ibuf_gate"][li] = (S, ic.ratio, ic.wkv.weight.shape[0]), f32
+                out["iprev_kv"][li] = out["iprev_gate"][li] = (S, ic.ratio, ic.head_dim), f32
+                out["ikeys"][li] = (n_blocks[kinds[li]], block_entries, ic.head_dim), f32
+        return out
+
+    @classmethod
+    def nbytes(cls, model: Transformer, n_slots: int, n_blocks: dict, block_entries: int, dtype) -> int:
+        """Bytes of the per-layer state a cache of these sizes allocates (its block tables, a few KB, aside)."""
+        return sum(math.prod(shape) * dt.itemsize for d in cls.shapes(model, n_slots, n_blocks, block_entries,
+                                                                      dtype).values() for shape, dt in d.values())
+
     # -- slots and blocks -------------------------------------------------------------------------------
     def slot_tensors(self):
-        return [d[li] for d in (self.win, self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.ibuf_kv,
-                                self.ibuf_gate, self.iprev_kv, self.iprev_gate) for li in d]
+        return [t for name in self.SLOT_STATE for t in getattr(self, name).values()]
 
     def block_tensors(self, kind):
-        return [d[li] for d in (self.entries, self.ikeys) for li in d if self.kind[li] == kind]
+        return [t for name in self.BLOCK_STATE for li, t in getattr(self, name).items() if self.kind[li] == kind]
 
     def blocks_for(self, upto: int) -> dict:
         """Blocks a sequence needs once positions [0, upto) are cached (kinds no layer has need none)."""
@@ -1858,8 +1870,9 @@ class Engine:
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         cfg = self.cfg
-        full = {k: self.max_seqs * max(1, -(-(self.max_model_len // r) // BE)) + 1
+        most = {k: max(1, -(-(self.max_model_len // r) // BE))  # blocks of a sequence of max_model_len
                 for k, r in zip(PagedCache.POOLS, (cfg.csa_ratio, cfg.hca_ratio))}
+        full = {k: self.max_seqs * n + 1 for k, n in most.items()}  # (+ 1: block 0 is scratch)
         if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes)
             lack = sorted(set(PagedCache.layer_kinds(self.model).values()) - set(num_blocks))
             if lack:
@@ -1870,16 +1883,24 @@ class Engine:
             return {k: int(num_blocks) for k in full}
         if self.device.type != "cuda":
             return full
-        esize = torch.empty(0, dtype=self.dtype).element_size()
-        layers = [blk.attn for blk in self.model.layers]
-        per_block = {"csa": sum(BE * (a.head_dim * esize + a.indexer.head_dim * 4) for a in layers if a.indexer is not None),
-                     "hca": sum(BE * a.head_dim * esize for a in layers if a.compressor is not None and a.indexer is None)}
-        slot_bytes = (self.max_seqs + 1) * sum(a.window * a.head_dim * esize + (0 if a.compressor is None else
-                                               4 * a.compressor.ratio * a.compressor.wkv.weight.shape[0] * 3)
-                                               for a in layers)
-        budget = mem_fraction * torch.cuda.mem_get_info(self.device)[0] - slot_bytes
-        scale = min(1.0, max(budget, 0) / max(sum(per_block[k] * full[k] for k in full), 1))
-        return {k: max(2, int(full[k] * scale)) for k in full}
+        zero = dict.fromkeys(full, 0)
+        size = functools.partial(PagedCache.nbytes, self.model, self.max_seqs, block_entries=BE, dtype=self.dtype)
+        fixed = size(zero)  # the slots' rows: window rings and compressor state
+        per_block = {k: size({**zero, k: 1}) - fixed for k in full}
+        need = {k: n + 1 for k, n in most.items()}  # the least that serves: one sequence of max_model_len
+        least = fixed + sum(per_block[k] * need[k] for k in full)
+        torch.cuda.empty_cache()  # what loading and quantizing freed, back to the device's count of free memory
+        free = torch.cuda.mem_get_info(self.device)[0]
+        budget = mem_fraction * free
+        if least > budget:
+            gib = 2 ** -30
+            raise ValueError(f"invalid engine arguments: the cache does not fit: {fixed * gib:.2f} GiB for the state of "
+                             f"max_seqs={self.max_seqs} sequences and {(least - fixed) * gib:.2f} GiB of blocks for one "
+                             f"of max_model_len={self.max_model_len}, against mem_fraction={mem_fraction} of the "
+                             f"{free * gib:.2f} GiB free after the weights ({budget * gib:.2f} GiB): lower max_seqs "
+                             f"or max_model_len, or raise mem_fraction")
+        scale = min(1.0, (budget - least) / max(sum(per_block[k] * (full[k] - need[k]) for k in full), 1))
+        return {k: need[k] + int((full[k] - need[k]) * scale) for k in full}
 
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
@@ -2991,6 +3012,10 @@ def main(argv=None):
         engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
         raise SystemExit(f"error: --model {args.model}: {e}") from None
+    except ValueError as e:  # what only the loaded model and the device tell: the cache does not fit
+        if not str(e).startswith("invalid engine arguments"):
+            raise
+        raise SystemExit(f"error: {e}") from None
     if args.bench:
         g = torch.Generator().manual_seed(args.seed)
         prompts, warm = torch.randint(0, engine.cfg.vocab_size, (2, args.batch, args.prompt_len), generator=g).tolist()

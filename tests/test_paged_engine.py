@@ -114,6 +114,69 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
             Engine(model, device="cpu", num_blocks={j: 4 for j in used - {k}})
 
 
+def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
+    """On a GPU the pools take mem_fraction of the memory free after the weights: the slots' state first, then at
+    least one sequence of max_model_len's blocks, then as many more blocks as fit (a device's free memory faked here,
+    the byte count checked against what a cache of those sizes allocates). Too little memory for that least is a
+    clear error, not a pool that refuses every request."""
+    from rollout_server import PagedCache
+    BE, seqs, mml, dt = 4, 4, 64, torch.bfloat16
+    eng = Engine.__new__(Engine)
+    eng.model, eng.cfg, eng.device, eng.dtype = model, model.cfg, torch.device("cuda"), dt
+    eng.max_seqs, eng.max_model_len = seqs, mml
+    free = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[-1], 2 * free[-1]))
+
+    def allocated(n):
+        cache = PagedCache(model, seqs, n, BE, mml, "cpu", dt)
+        return sum(t.nbytes for t in cache.slot_tensors() + [t for k in n for t in cache.block_tensors(k)])
+    full = {k: seqs * -(-(mml // r) // BE) + 1 for k, r in (("csa", 4), ("hca", 16))}
+    need = {k: (n - 1) // seqs + 1 for k, n in full.items()}
+    assert allocated(full) == PagedCache.nbytes(model, seqs, full, BE, dt)
+    least, most = allocated(need), allocated(full)
+    for frac in (0.5, 0.85, 1.0):
+        for want in (least, (least + most) // 2, most, 3 * most):
+            free.append(int(want / frac) + 1)
+            n = eng._size_pools(None, BE, frac)
+            assert all(need[k] <= n[k] <= full[k] for k in full), (n, need, full)
+            got = allocated(n)
+            block = sum(allocated({**n, k: n[k] + 1}) - got for k in n)
+            assert got <= frac * free[-1] and (n == full or frac * free[-1] - got < block), (frac, want, n, got)
+    free.append(int(least / 0.85) - 1)
+    with pytest.raises(ValueError, match=r"the cache does not fit: .* GiB for the state of max_seqs=4 sequences and "
+                       r".* of max_model_len=64, against mem_fraction=0.85 of the .* lower max_seqs or max_model_len"):
+        eng._size_pools(None, BE, 0.85)
+    # the least serves one sequence of max_model_len, whole
+    free.append(int(least / 0.85) + 1)
+    n = eng._size_pools(None, BE, 0.85)
+    assert n == need
+    one = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=mml, num_blocks=n, block_entries=BE,
+                 max_seqs=seqs).generate(_prompts([20]), SamplingParams(temperature=0, max_tokens=mml - 20, ignore_eos=True))
+    assert len(one[0].token_ids) == mml - 20
+
+
+def test_cli_says_when_the_cache_does_not_fit(tmp_path, capsys, monkeypatch):
+    """The CLI stops with the engine's reason, not a traceback, when the device's free memory (faked: the sizing as
+    on a GPU) cannot hold the cache --max-seqs and --max-model-len ask for."""
+    real = Engine._size_pools
+
+    def on_a_gpu(self, *a):
+        self.device = torch.device("cuda")
+        try:
+            return real(self, *a)
+        finally:
+            self.device = torch.device("cpu")
+    monkeypatch.setattr(Engine, "_size_pools", on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 ** 20, 2 ** 30))
+    with pytest.raises(SystemExit, match=r"^error: invalid engine arguments: the cache does not fit: .* "
+                       r"max_seqs=64 .* max_model_len=512, against mem_fraction=0.5 of the 0.00 GiB free"):
+        rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--batch", "2", "--prompt-len", "8",
+                             "--max-tokens", "3", "--max-seqs", "64", "--max-model-len", "512", "--mem-fraction",
+                             "0.5"])
+
+
 @pytest.mark.parametrize("extra,attn_kw", [
     (256, {}),                           # a chunk's prompts in one padded group, its queries in one piece
     (0, {}),                             # in several groups
