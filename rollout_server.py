@@ -450,12 +450,19 @@ class EngineExperts(nn.Module):
         self.routed("s" + name[1]).copy_(s.float())
 
 
+def on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str | None = None,
                             progress: bool = False, ep=None) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
     routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
     scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
-    (stored_scale_fmt: its FP8 weights keep their bits), else fp32."""
+    (stored_scale_fmt: its FP8 weights keep their bits), else fp32.
+    A model built on the meta device (weights to come by update_weights, as a rollout rank's arrive by broadcast)
+    is given device memory only for what this rank holds, in its held formats: the BF16 model is never whole
+    on the device (DeepSeek-V4-Flash's is 569 GB)."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
     if isinstance(model_or_path, (str, Path)):
@@ -465,8 +472,10 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
                         f"{type(model_or_path).__name__}")
     else:
-        model = copy.deepcopy(model_or_path).to(device).set_dtype(dtype)
-        model.reset_buffers()
+        model = copy.deepcopy(model_or_path)
+        if not on_meta(model):
+            model = model.to(device)
+        model.set_dtype(dtype).reset_buffers()
     model.eval().requires_grad_(False)
     scale_fmt = scale_fmt or "fp32"
     q = fp8_dtype(device) if fp8 else None
@@ -477,6 +486,8 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                 setattr(parent, name, FP8Linear(child.weight.data, q, scale_fmt, dtype))
             elif type(child) is Experts:
                 setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep))
+    if on_meta(model):  # (the holders' shapes and dtypes made on meta too)
+        model.to_empty(device=device).tie_weights().reset_buffers()
     for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
         if isinstance(mod, MoE) and mod.shared_experts is not None:
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)

@@ -1463,7 +1463,9 @@ def make_engine(cfg: RunConfig, model, device, ep=None):
 
 
 def run_rollout(cfg: RunConfig, d: Dist):
-    model = build_model(cfg.model, d.device, DTYPES[cfg.rollout.dtype], seed=None)  # weights arrive by broadcast
+    # on meta: the weights arrive by broadcast, and the engine gives device memory only to what this rank holds (in
+    # FP8, its slice of the experts), never to the whole BF16 model
+    model = build_model(cfg.model, "meta", DTYPES[cfg.rollout.dtype], seed=None)
     engine = make_engine(cfg, model, d.device, d.rollout_ep)
     del model
     serve(engine, 0, d.sync_group, d.device, reply=d.rollout_ep is None or d.rollout_ep[2] == 0)

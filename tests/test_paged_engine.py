@@ -114,6 +114,29 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
             Engine(model, device="cpu", num_blocks={j: 4 for j in used - {k}})
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arrive(tie):
+    """A rollout rank builds its model on meta (the BF16 DeepSeek-V4-Flash would not fit a GPU) and gets its weights
+    by update_weights: device memory only for the held tensors (the same bytes as an engine made from the weights),
+    the tied head tied again, and then the same outputs."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32",
+                                                                f"model.tie_word_embeddings={str(tie).lower()}"])["model"])
+    real = input_dependent(build_model(cfg, seed=3), seed=3).eval()
+    prompts = _prompts([9, 30], seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for fp8 in (True, False):
+        for kind in (Engine, SimpleEngine):
+            kw = dict(fp8=fp8, dtype=torch.float32, device="cpu", **(dict(max_model_len=64) if kind is Engine else {}))
+            eng = kind(build_model(cfg, "meta", torch.bfloat16, seed=None), **kw)
+            ref = kind(real, **kw)
+            held = [{n: (t.shape, t.dtype) for n, t in e.model.state_dict().items()} for e in (eng, ref)]
+            assert held[0] == held[1] and not any(t.is_meta for t in eng.model.state_dict().values())
+            assert (eng.model.head.weight is eng.model.embed.weight) == tie
+            eng.update_weights(real.stored_state().items())
+            for a, b in zip(eng.generate(prompts, sp), ref.generate(prompts, sp)):
+                _same(a, b)
+
+
 def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     """On a GPU the pools take mem_fraction of the memory free after the weights: the slots' state first, then at
     least one sequence of max_model_len's blocks, then as many more blocks as fit (a device's free memory faked here,
