@@ -775,9 +775,9 @@ class Actor:
         if cfg.init_from:  # each rank reads only its experts and its FSDP rows
             load_state(model, cfg.init_from, d.device, progress=d.rank == 0)
         else:
-            full = build_model(cfg.model, d.device, torch.float32, seed=cfg.seed)
-            copy_full_state(model, full.state_dict().items())
-            del full
+            # tensor by tensor into the shards: the whole fp32 model (1.1 TB for DeepSeek-V4-Flash) is never on a GPU
+            full = build_model(cfg.model, "meta", torch.float32, seed=None)
+            copy_full_state(model, full.random_state(cfg.seed, device=d.device))
         model.activation_checkpointing = t.activation_checkpointing
         if t.compile:
             compile_fusions(True)

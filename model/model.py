@@ -930,27 +930,43 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02):
-        """Random init for training from scratch (and for tests), drawn on the parameters' device (so the same
-        seed gives different weights on CPU and GPU). Hash tables get k distinct experts per token."""
-        dev = next(self.parameters()).device
+        """Random init for training from scratch (and for tests): random_state's values, drawn on the parameters'
+        device (so the same seed gives different weights on CPU and GPU)."""
+        state = self.state_dict(keep_vars=True)
+        for name, t in self.random_state(seed, std):
+            state[name].copy_(t)
+        self.reset_buffers()
+        return self
+
+    @torch.no_grad()
+    def random_state(self, seed: int = 0, std: float = 0.02, device=None):
+        """init_weights' values one state_dict tensor at a time, as (name, tensor on `device`; default: the
+        parameters'), each in its parameter's dtype: a model too large for one device, built on meta, is
+        initialized tensor by tensor into its shards (the same seed and device give init_weights' values). Hash
+        tables get k distinct experts per token. A tied weight comes under each of its names."""
+        dev = torch.device(device) if device is not None else next(self.parameters()).device
         g = torch.Generator(dev).manual_seed(seed)
+        names = {}
+        for name, t in self.state_dict(keep_vars=True).items():
+            names.setdefault(id(t), []).append(name)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
+            t = torch.empty(p.shape, dtype=p.dtype, device=dev)
             if leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
-                p.zero_()
+                t.zero_()
             elif leaf.endswith("_scale") or (leaf == "weight" and p.ndim == 1):
-                p.fill_(1.0)
+                t.fill_(1.0)
             else:
-                p.normal_(0.0, std, generator=g)
-        for layer in self.layers:
+                t.normal_(0.0, std, generator=g)
+            for alias in names[id(p)]:
+                yield alias, t
+        for i, layer in enumerate(self.layers):
             gate = layer.ffn.gate
             if gate.hash:
                 V, k, E = gate.tid2eid.shape[0], gate.topk, gate.n_experts
-                gate.tid2eid.copy_(torch.rand(V, E, generator=g, device=dev).argsort(-1)[:, :k])
+                yield f"layers.{i}.ffn.gate.tid2eid", torch.rand(V, E, generator=g, device=dev).argsort(-1)[:, :k]
             else:
-                gate.bias.zero_()
-        self.reset_buffers()
-        return self
+                yield f"layers.{i}.ffn.gate.bias", torch.zeros(gate.bias.shape, dtype=gate.bias.dtype, device=dev)
 
     def tie_weights(self):
         """With tie_word_embeddings the head's weight is the embedding's Parameter. Again after `to_empty`, which

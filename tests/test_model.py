@@ -140,3 +140,17 @@ def test_grouped_linear_matches_einsum_twin():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5, 4, 16, generator=g), torch.randn(4, 6, 16, generator=g)
     assert grad_case(_GroupedLinear.apply, _grouped_linear, [x, w]) < 1e-6
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_random_state_tensor_by_tensor_is_init_weights(tie):
+    """A model too large for one device is built on meta and initialized tensor by tensor (the actor's shards from
+    random_state): every state_dict name (a tied head's too) with init_weights' values for the seed, and no tensor
+    of the meta model materialized on the way."""
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", [f"model.tie_word_embeddings={str(tie).lower()}"])["model"])
+    whole = build_model(cfg, seed=7).state_dict()
+    meta = build_model(cfg, "meta", seed=None)
+    got = dict(meta.random_state(7, device="cpu"))
+    assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole)
+    assert all(t.is_meta for t in meta.state_dict().values())
+    assert not torch.equal(dict(meta.random_state(8, device="cpu"))["embed.weight"], whole["embed.weight"])
