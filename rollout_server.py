@@ -1250,7 +1250,8 @@ class PagedCache:
         self.promised = {k: 0 for k in self.ratio}
         self.free_slots = deque(range(n_slots))
         # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
-        self.tables = {k: torch.zeros(n_slots + 1, self.max_blocks[k], dtype=torch.int64, device=device) for k in self.ratio}
+        self.tables = {k: torch.zeros(n_slots + 1, self.max_blocks[k], dtype=torch.int64, device=device)
+                       for k in self.ratio}
 
     @staticmethod
     def layer_kinds(model: Transformer) -> dict:
@@ -1905,9 +1906,9 @@ class Engine:
         budget = mem_fraction * free
         if least > budget:
             gib = 2 ** -30
-            raise ValueError(f"invalid engine arguments: the cache does not fit: {fixed * gib:.2f} GiB for the state of "
-                             f"max_seqs={self.max_seqs} sequences and {(least - fixed) * gib:.2f} GiB of blocks for one "
-                             f"of max_model_len={self.max_model_len}, against mem_fraction={mem_fraction} of the "
+            raise ValueError(f"invalid engine arguments: the cache does not fit: {fixed * gib:.2f} GiB for the state "
+                             f"of max_seqs={self.max_seqs} sequences and {(least - fixed) * gib:.2f} GiB of blocks for "
+                             f"one of max_model_len={self.max_model_len}, against mem_fraction={mem_fraction} of the "
                              f"{free * gib:.2f} GiB free after the weights ({budget * gib:.2f} GiB): lower max_seqs "
                              f"or max_model_len, or raise mem_fraction")
         scale = min(1.0, (budget - least) / max(sum(per_block[k] * (full[k] - need[k]) for k in full), 1))

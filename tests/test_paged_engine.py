@@ -119,8 +119,8 @@ def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arriv
     """A rollout rank builds its model on meta (the BF16 DeepSeek-V4-Flash would not fit a GPU) and gets its weights
     by update_weights: device memory only for the held tensors (the same bytes as an engine made from the weights),
     the tied head tied again, and then the same outputs."""
-    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32",
-                                                                f"model.tie_word_embeddings={str(tie).lower()}"])["model"])
+    tied = f"model.tie_word_embeddings={str(tie).lower()}"
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32", tied])["model"])
     real = input_dependent(build_model(cfg, seed=3), seed=3).eval()
     prompts = _prompts([9, 30], seed=3)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -175,7 +175,8 @@ def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     n = eng._size_pools(None, BE, 0.85)
     assert n == need
     one = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=mml, num_blocks=n, block_entries=BE,
-                 max_seqs=seqs).generate(_prompts([20]), SamplingParams(temperature=0, max_tokens=mml - 20, ignore_eos=True))
+                 max_seqs=seqs).generate(_prompts([20]), SamplingParams(temperature=0, max_tokens=mml - 20,
+                                                                        ignore_eos=True))
     assert len(one[0].token_ids) == mml - 20
 
 

@@ -52,6 +52,20 @@ def test_rollout_weights_and_pools_equal_the_engine_allocation():
     assert pools == p["cache pools"]
 
 
+@pytest.mark.parametrize("path", ["configs/mini.yaml", "configs/dsv4.yaml"])
+def test_planned_pools_are_the_cache_shapes_at_full_size(path):
+    """The planner's cache bytes for the shipped configs' own shapes (models built on meta) are what PagedCache
+    allocates at full capacity: the engine's pool sizing counts the same shapes."""
+    from model.plan import cache_bytes
+    from rollout_server import PagedCache
+    run = RunConfig.load(path, [])
+    model, ro = build_model(run.model, "meta", seed=None), run.rollout
+    full = {k: ro.max_seqs * max(1, -(-(ro.max_model_len // r) // 64)) + 1
+            for k, r in (("csa", run.model.csa_ratio), ("hca", run.model.hca_ratio))}
+    assert PagedCache.nbytes(model, ro.max_seqs, full, 64, torch.bfloat16) == cache_bytes(run.model, ro.max_seqs,
+                                                                                           ro.max_model_len, 2)
+
+
 def test_dsv4_fits_two_plus_one_mi308x_nodes():
     r = subprocess.run([sys.executable, "-m", "model.plan", "--config", "configs/dsv4.yaml"], capture_output=True,
                        text=True)
