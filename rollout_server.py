@@ -373,7 +373,9 @@ class EngineExperts(nn.Module):
     Without it the layer's shared expert joins the stacks as expert n_local (`fold_shared`): one more slot a token
     in the same launches, instead of three linears, a SwiGLU and an add of its own."""
 
-    def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None):
+    def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None,
+                 device=None):
+        """device: where the stacks go (ex's may be in host memory: each of this rank's slices moves alone)."""
         super().__init__()
         self.group, size, rank = ep if ep is not None else (None, 1, 0)
         self.n_local, self.n_total = ex.n_local // size, ex.n_local
@@ -382,7 +384,7 @@ class EngineExperts(nn.Module):
         self.n_shared = 0
         sl = slice(self.expert_offset, self.expert_offset + self.n_local)
         for name in ("w1", "w2", "w3"):
-            w = getattr(ex, name).data[sl]
+            w = onto(getattr(ex, name).data[sl], device)
             if fp8 is not None:
                 q, s = quantize(w, fp8, scale_fmt)
                 self.register_buffer(name, q)
@@ -454,28 +456,31 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
 
 
+def onto(t: torch.Tensor, device) -> torch.Tensor:
+    """t on device (None: where it is); a meta tensor stays meta (its memory is given later, by to_empty)."""
+    return t if device is None or t.is_meta else t.to(device)
+
+
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str | None = None,
                             progress: bool = False, ep=None) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
     routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
     scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
     (stored_scale_fmt: its FP8 weights keep their bits), else fp32.
-    A model built on the meta device (weights to come by update_weights, as a rollout rank's arrive by broadcast)
-    is given device memory only for what this rank holds, in its held formats: the BF16 model is never whole
-    on the device (DeepSeek-V4-Flash's is 569 GB)."""
+    The device gets only what this rank holds, in the formats it holds them: a checkpoint is read into host memory
+    and each weight moves alone, quantized on arrival (the BF16 model is never whole on the device: DeepSeek-V4-
+    Flash's is 569 GB); a model built on the meta device (weights to come by update_weights, as a rollout rank's
+    arrive by broadcast) is given memory for the held tensors only."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
     if isinstance(model_or_path, (str, Path)):
-        model = load_pretrained(model_or_path, device, dtype, progress=progress)
+        model = load_pretrained(model_or_path, "cpu", dtype, progress=progress)
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
     elif not isinstance(model_or_path, Transformer):
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
                         f"{type(model_or_path).__name__}")
     else:
-        model = copy.deepcopy(model_or_path)
-        if not on_meta(model):
-            model = model.to(device)
-        model.set_dtype(dtype).reset_buffers()
+        model = copy.deepcopy(model_or_path).set_dtype(dtype)
     model.eval().requires_grad_(False)
     scale_fmt = scale_fmt or "fp32"
     q = fp8_dtype(device) if fp8 else None
@@ -483,11 +488,12 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
-                setattr(parent, name, FP8Linear(child.weight.data, q, scale_fmt, dtype))
+                setattr(parent, name, FP8Linear(onto(child.weight.data, device), q, scale_fmt, dtype))
             elif type(child) is Experts:
-                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep))
+                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device))
     if on_meta(model):  # (the holders' shapes and dtypes made on meta too)
-        model.to_empty(device=device).tie_weights().reset_buffers()
+        model.to_empty(device=device).tie_weights()
+    model.to(device).reset_buffers()  # the rest: embeddings, head, norms, router, mHC, compressors
     for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
         if isinstance(mod, MoE) and mod.shared_experts is not None:
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
