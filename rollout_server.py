@@ -1243,7 +1243,7 @@ class PagedCache:
         cfg = model.cfg
         self.model, self.n_slots, self.BE, self.device = model, n_slots, block_entries, device
         self.ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
-        self.max_blocks = {k: max(1, -(-(max_len // r) // block_entries)) for k, r in self.ratio.items()}
+        self.max_blocks = self.seq_blocks(cfg, max_len, block_entries)
         self.trash = n_slots
         self.kind = self.layer_kinds(model)
         for name, per_layer in self.shapes(model, n_slots, n_blocks, block_entries, dtype).items():
@@ -1258,6 +1258,12 @@ class PagedCache:
         # block tables by slot, on the device, so a decode step (and its CUDA graph) gathers them by slot id
         self.tables = {k: torch.zeros(n_slots + 1, self.max_blocks[k], dtype=torch.int64, device=device)
                        for k in self.ratio}
+
+    @classmethod
+    def seq_blocks(cls, cfg, max_len: int, block_entries: int) -> dict:
+        """The most blocks of each pool one sequence of max_len positions takes (its block table's width)."""
+        return {k: max(1, -(-(max_len // r) // block_entries)) for k, r in zip(cls.POOLS, (cfg.csa_ratio,
+                                                                                         cfg.hca_ratio))}
 
     @staticmethod
     def layer_kinds(model: Transformer) -> dict:
@@ -1887,9 +1893,7 @@ class Engine:
         self.ahead = None  # the decode step in flight: (its sequences, fetch handle)
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
-        cfg = self.cfg
-        most = {k: max(1, -(-(self.max_model_len // r) // BE))  # blocks of a sequence of max_model_len
-                for k, r in zip(PagedCache.POOLS, (cfg.csa_ratio, cfg.hca_ratio))}
+        most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
         full = {k: self.max_seqs * n + 1 for k, n in most.items()}  # (+ 1: block 0 is scratch)
         if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes)
             lack = sorted(set(PagedCache.layer_kinds(self.model).values()) - set(num_blocks))

@@ -147,7 +147,8 @@ def test_random_state_tensor_by_tensor_is_init_weights(tie):
     """A model too large for one device is built on meta and initialized tensor by tensor (the actor's shards from
     random_state): every state_dict name (a tied head's too) with init_weights' values for the seed, and no tensor
     of the meta model materialized on the way."""
-    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", [f"model.tie_word_embeddings={str(tie).lower()}"])["model"])
+    tied = f"model.tie_word_embeddings={str(tie).lower()}"
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", [tied])["model"])
     whole = build_model(cfg, seed=7).state_dict()
     meta = build_model(cfg, "meta", seed=None)
     got = dict(meta.random_state(7, device="cpu"))

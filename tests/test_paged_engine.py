@@ -154,7 +154,7 @@ def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     def allocated(n):
         cache = PagedCache(model, seqs, n, BE, mml, "cpu", dt)
         return sum(t.nbytes for t in cache.slot_tensors() + [t for k in n for t in cache.block_tensors(k)])
-    full = {k: seqs * -(-(mml // r) // BE) + 1 for k, r in (("csa", 4), ("hca", 16))}
+    full = {k: seqs * -(-(mml // r) // BE) + 1 for k, r in (("csa", model.cfg.csa_ratio), ("hca", model.cfg.hca_ratio))}
     need = {k: (n - 1) // seqs + 1 for k, n in full.items()}
     assert allocated(full) == PagedCache.nbytes(model, seqs, full, BE, dt)
     least, most = allocated(need), allocated(full)
@@ -180,7 +180,7 @@ def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     assert len(one[0].token_ids) == mml - 20
 
 
-def test_cli_says_when_the_cache_does_not_fit(tmp_path, capsys, monkeypatch):
+def test_cli_says_when_the_cache_does_not_fit(monkeypatch):
     """The CLI stops with the engine's reason, not a traceback, when the device's free memory (faked: the sizing as
     on a GPU) cannot hold the cache --max-seqs and --max-model-len ask for."""
     real = Engine._size_pools

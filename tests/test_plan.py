@@ -60,8 +60,7 @@ def test_planned_pools_are_the_cache_shapes_at_full_size(path):
     from rollout_server import PagedCache
     run = RunConfig.load(path, [])
     model, ro = build_model(run.model, "meta", seed=None), run.rollout
-    full = {k: ro.max_seqs * max(1, -(-(ro.max_model_len // r) // 64)) + 1
-            for k, r in (("csa", run.model.csa_ratio), ("hca", run.model.hca_ratio))}
+    full = {k: ro.max_seqs * n + 1 for k, n in PagedCache.seq_blocks(run.model, ro.max_model_len, 64).items()}
     assert PagedCache.nbytes(model, ro.max_seqs, full, 64, torch.bfloat16) == cache_bytes(run.model, ro.max_seqs,
                                                                                            ro.max_model_len, 2)
 
