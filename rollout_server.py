@@ -3024,7 +3024,9 @@ def main(argv=None):
                                  f"--max-model-len {args.max_model_len}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(cfg, device, dtype, seed=args.seed) if yaml_model else args.model
+    # random weights are drawn tensor by tensor into the engine (build_model's values for the seed, cast as
+    # set_dtype casts them): no whole BF16 model on the device beside the engine's
+    model = build_model(cfg, "meta", torch.float32, seed=None) if yaml_model else args.model
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
               fp8_scale_fmt=args.fp8_scale_fmt)
     if args.engine == "paged":
@@ -3038,6 +3040,9 @@ def main(argv=None):
         if not str(e).startswith("invalid engine arguments"):
             raise
         raise SystemExit(f"error: {e}") from None
+    if yaml_model:
+        engine.update_weights((n, t.to(dtype) if t.is_floating_point() and not Transformer.keeps_fp32(n) else t)
+                              for n, t in model.random_state(args.seed, device=device))
     if args.bench:
         g = torch.Generator().manual_seed(args.seed)
         prompts, warm = torch.randint(0, engine.cfg.vocab_size, (2, args.batch, args.prompt_len), generator=g).tolist()

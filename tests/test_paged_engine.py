@@ -180,6 +180,25 @@ def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     assert len(one[0].token_ids) == mml - 20
 
 
+@pytest.mark.parametrize("extra", [[], ["--bf16"], ["--engine", "simple"]])
+def test_cli_random_weights_are_build_models(tmp_path, extra):
+    """With a YAML config the CLI draws the random weights tensor by tensor into the engine (never the whole model on
+    the device): the completions of an engine made from build_model(cfg, seed=--seed)."""
+    import json
+    from rollout_server import main
+    prompts = [[5, 6, 7], [3, 4, 9, 10, 11], [8] * 9]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    main(["--model", "configs/tiny.yaml", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+          "--max-tokens", "8", "--temperature", "0", "--max-seqs", "4", "--max-model-len", "64", "--seed", "3", *extra])
+    got = [json.loads(x)["token_ids"] for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
+    kind = SimpleEngine if "simple" in extra else Engine
+    eng = kind(build_model(cfg, seed=3), fp8="--bf16" not in extra, dtype=torch.float32, device="cpu")
+    assert got == [o.token_ids for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    assert got != [o.token_ids for o in kind(build_model(cfg, seed=4), fp8="--bf16" not in extra, dtype=torch.float32,
+                                              device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+
+
 def test_cli_says_when_the_cache_does_not_fit(monkeypatch):
     """The CLI stops with the engine's reason, not a traceback, when the device's free memory (faked: the sizing as
     on a GPU) cannot hold the cache --max-seqs and --max-model-len ask for."""
