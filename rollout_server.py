@@ -452,10 +452,6 @@ class EngineExperts(nn.Module):
         self.routed("s" + name[1]).copy_(s.float())
 
 
-def on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in model.parameters())
-
-
 def onto(t: torch.Tensor, device) -> torch.Tensor:
     """t on device (None: where it is); a meta tensor stays meta (its memory is given later, by to_empty)."""
     return t if device is None or t.is_meta else t.to(device)
@@ -491,7 +487,7 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                 setattr(parent, name, FP8Linear(onto(child.weight.data, device), q, scale_fmt, dtype))
             elif type(child) is Experts:
                 setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device))
-    if on_meta(model):  # (the holders' shapes and dtypes made on meta too)
+    if any(t.is_meta for t in model.parameters()):  # (the holders' shapes and dtypes made on meta too)
         model.to_empty(device=device).tie_weights()
     model.to(device).reset_buffers()  # the rest: embeddings, head, norms, router, mHC, compressors
     for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
@@ -3041,8 +3037,8 @@ def main(argv=None):
             raise
         raise SystemExit(f"error: {e}") from None
     if yaml_model:
-        engine.update_weights((n, t.to(dtype) if t.is_floating_point() and not Transformer.keeps_fp32(n) else t)
-                              for n, t in model.random_state(args.seed, device=device))
+        engine.update_weights((n, Transformer.held_as(n, t, dtype)) for n, t in model.random_state(args.seed,
+                                                                                                   device=device))
     if args.bench:
         g = torch.Generator().manual_seed(args.seed)
         prompts, warm = torch.randint(0, engine.cfg.vocab_size, (2, args.batch, args.prompt_len), generator=g).tolist()

@@ -990,10 +990,16 @@ class Transformer(nn.Module):
         self.rope_main.reset()
         self.rope_compress.reset()
 
+    @classmethod
+    def held_as(cls, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """State tensor `name` as a model in `dtype` holds it: floats in `dtype` or fp32 (keeps_fp32), integers as
+        they are."""
+        return t.to(torch.float32 if cls.keeps_fp32(name) else dtype) if t.is_floating_point() else t
+
     def set_dtype(self, dtype: torch.dtype):
         """Cast to `dtype`, keeping norms, sinks, mHC, ape and the gate bias in fp32."""
         for name, p in self.named_parameters():
-            p.data = p.data.to(torch.float32 if self.keeps_fp32(name) else dtype)
+            p.data = self.held_as(name, p.data, dtype)
         return self
 
     # -- forward ----------------------------------------------------------------------------------------

@@ -481,11 +481,8 @@ def save_pretrained(model: Transformer | None, path: str | Path, fp8: bool = Fal
         if fp8 and t.ndim == 2 and (FP8_LINEAR.search(name) or _EXPERT.match(name)):
             q, s = quant_fp8_block(t, torch.float8_e4m3fn, BLOCK, "ue8m0")
             out[name], out[name[: -len(".weight")] + ".scale"] = q, s
-        elif t.is_floating_point():
-            keep = Transformer.keeps_fp32(name)
-            out[name] = t.to(torch.float32 if keep else dtype)
         else:
-            out[name] = t
+            out[name] = Transformer.held_as(name, t, dtype)
         for k, v in out.items():
             v = v.contiguous().cpu()
             nbytes = v.numel() * v.element_size()
