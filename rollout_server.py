@@ -374,15 +374,23 @@ class EngineExperts(nn.Module):
     in the same launches, instead of three linears, a SwiGLU and an add of its own."""
 
     def __init__(self, ex: Experts, fp8: torch.dtype | None, scale_fmt: str, dtype: torch.dtype, ep=None,
-                 device=None):
-        """device: where the stacks go (ex's may be in host memory: each of this rank's slices moves alone)."""
+                 device=None, n_total: int | None = None):
+        """device: where the stacks go (ex's may be in host memory: each of this rank's slices moves alone).
+        n_total: the layer's routed experts, where ex holds fewer than all (a checkpoint read for one EP rank:
+        load_pretrained's experts=); ex must then hold this rank's."""
         super().__init__()
         self.group, size, rank = ep if ep is not None else (None, 1, 0)
-        self.n_local, self.n_total = ex.n_local // size, ex.n_local
+        self.n_total = n_total or ex.n_local
+        self.n_local = self.n_total // size
         self.expert_offset, self.limit = rank * self.n_local, ex.limit
         self.fp8, self.scale_fmt, self.dtype = fp8, scale_fmt, dtype
         self.n_shared = 0
-        sl = slice(self.expert_offset, self.expert_offset + self.n_local)
+        first = self.expert_offset - ex.expert_offset
+        if not 0 <= first <= ex.n_local - self.n_local:
+            raise ValueError(f"EngineExperts: rank {rank} of {size} holds experts [{self.expert_offset}, "
+                             f"{self.expert_offset + self.n_local}), the layer's given ones are [{ex.expert_offset}, "
+                             f"{ex.expert_offset + ex.n_local})")
+        sl = slice(first, first + self.n_local)
         for name in ("w1", "w2", "w3"):
             w = onto(getattr(ex, name).data[sl], device)
             if fp8 is not None:
@@ -469,8 +477,8 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     arrive by broadcast) is given memory for the held tensors only."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
-    if isinstance(model_or_path, (str, Path)):
-        model = load_pretrained(model_or_path, "cpu", dtype, progress=progress)
+    if isinstance(model_or_path, (str, Path)):  # (under expert parallelism only this rank's experts are read)
+        model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=None if ep is None else ep[1:])
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
     elif not isinstance(model_or_path, Transformer):
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
@@ -486,7 +494,8 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
                 setattr(parent, name, FP8Linear(onto(child.weight.data, device), q, scale_fmt, dtype))
             elif type(child) is Experts:
-                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device))
+                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device,
+                                                    model.cfg.n_routed_experts))
     if any(t.is_meta for t in model.parameters()):  # (the holders' shapes and dtypes made on meta too)
         model.to_empty(device=device).tie_weights()
     model.to(device).reset_buffers()  # the rest: embeddings, head, norms, router, mHC, compressors

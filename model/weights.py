@@ -313,8 +313,8 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             rows, _ = own_experts(mod, leaf)
             lacking = [e for e in rows if (name, e) not in filled]
             if lacking:
-                missing.append(f"{mod_name}.{lacking[0] + mod.expert_offset}.{leaf}.weight (and {len(lacking) - 1} more "
-                               f"experts)")
+                missing.append(f"{mod_name}.{lacking[0] + mod.expert_offset}.{leaf}.weight (and {len(lacking) - 1} "
+                               f"more experts)")
                 n_missing += len(lacking)
         elif name not in filled and not (tied and name == "head.weight"):
             missing.append(name)
@@ -376,11 +376,14 @@ def float_dtype(dtype, who: str) -> torch.dtype:
 
 
 def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32, progress: bool = True,
-                    cfg: ModelConfig | None = None) -> Transformer:
+                    cfg: ModelConfig | None = None, experts: tuple[int, int] | None = None) -> Transformer:
     """Read a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Transformer in eval mode.
 
     Tensors the model keeps in fp32 (norms, sinks, mHC, ape, gate bias) stay fp32; everything else is `dtype`
     (or its name). device None: torch's default device.
+    experts (size, rank): each layer holds only routed experts [rank * E / size, (rank + 1) * E / size), an
+    expert-parallel rank's share (Experts.expert_offset; the other experts' tensors are never read). Such a
+    model is a holder of weights for the rollout engine, not one to call: its routing reaches all E experts.
     """
     dtype = float_dtype(dtype, "load_pretrained")
     if isinstance(device, torch.dtype):
@@ -392,6 +395,15 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
     cfg = cfg or load_hf_config(path)
     with torch.device("meta"):
         model = Transformer(cfg)
+        if experts is not None:
+            size, rank = experts
+            E = cfg.n_routed_experts
+            if not (0 <= rank < size and E % size == 0):
+                raise ValueError(f"load_pretrained: experts=(size {size}, rank {rank}): size must divide the "
+                                 f"{E} routed experts and rank be in [0, size)")
+            for mod in model.modules():
+                if isinstance(getattr(mod, "experts", None), Experts):
+                    mod.experts = Experts(cfg, E // size, rank * (E // size))
     model.set_dtype(dtype)
     model.to_empty(device=device).tie_weights()
     load_state(model, path, device, progress)

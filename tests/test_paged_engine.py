@@ -137,6 +137,32 @@ def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arriv
                 _same(a, b)
 
 
+@pytest.mark.parametrize("fp8_ckpt", [False, True], ids=["bf16-ckpt", "fp8-ckpt"])
+def test_engine_from_a_checkpoint_under_ep_reads_only_its_experts(model, tmp_path, monkeypatch, fp8_ckpt):
+    """Engine(directory, ep=...) on rank r of an expert-parallel group reads only its 1/size of each layer's routed
+    experts from the checkpoint (DeepSeek-V4-Flash's experts are ~98% of its 569 GB; each of 8 ranks reading them
+    all into host memory would need 4.5 TB), and holds what an engine made from the whole loaded model holds."""
+    from model.weights import _Shards, load_pretrained, save_pretrained
+    save_pretrained(model, tmp_path, fp8=fp8_ckpt, dtype=torch.float32)
+    read = []
+    get = _Shards.get
+    monkeypatch.setattr(_Shards, "get", lambda self, key: read.append(key) or get(self, key))
+    whole = load_pretrained(tmp_path, dtype=torch.float32, progress=False)
+    E, size = model.cfg.n_routed_experts, 2
+    expert = re.compile(r"\.ffn\.experts\.(\d+)\.w[123]\.weight$")
+    for rank in range(size):
+        read.clear()
+        eng = prepare_inference_model(tmp_path, True, torch.float32, "cpu", ep=(None, size, rank))
+        ids = {int(m.group(1)) for m in map(expert.search, read) if m}
+        assert ids == set(range(rank * E // size, (rank + 1) * E // size))
+        ref = prepare_inference_model(whole, True, torch.float32, "cpu", ep=(None, size, rank),
+                                      scale_fmt="ue8m0" if fp8_ckpt else None)
+        a, b = eng.state_dict(), ref.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"experts=\(size 3, rank 0\): size must divide the 8 routed experts"):
+        load_pretrained(tmp_path, experts=(3, 0), progress=False)
+
+
 def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     """On a GPU the pools take mem_fraction of the memory free after the weights: the slots' state first, then at
     least one sequence of max_model_len's blocks, then as many more blocks as fit (a device's free memory faked here,
