@@ -4,6 +4,7 @@ client for it, and a command line.
     Engine(model_or_path, fp8=True, dtype=torch.bfloat16, device=None, ...)
     engine.generate(prompts: list[list[int]], SamplingParams(...)) -> [Output(token_ids, logprobs, routed_experts)]
     python rollout_server.py --model DIR --prompts FILE.jsonl --out FILE.jsonl [--bench]
+    torchrun --nproc-per-node N rollout_server.py ...   (the N ranks split the routed experts)
 
 `Engine` is the paged engine: fixed-size per-sequence state (the sliding window's ring, each compressor's partial
 window and overlap series) lives in slot pools, the growing state (CSA / HCA compressed entries, indexer keys) in
@@ -27,6 +28,7 @@ the rows beside them (README).
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import functools
 import json
@@ -2907,8 +2909,30 @@ def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple
     return keep
 
 
+def cli_ranks(n_experts: int, ap) -> tuple[torch.device, tuple | None]:
+    """The CLI's device and, under torchrun (WORLD_SIZE > 1), its expert-parallel group: every rank runs every
+    request on the same schedule, each holding 1/world of each layer's routed experts and reading only those from
+    the checkpoint (a node's GPUs serving a model none of them holds alone: DeepSeek-V4-Flash's ~284 GB of FP8
+    weights over 8 GPUs); rank 0 alone prints and writes. -> (device, Engine's ep or None)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return torch.device("cuda" if cuda else "cpu"), None
+    if n_experts % world:
+        ap.error(f"torchrun with {world} ranks: the model's {n_experts} routed experts do not split evenly over "
+                 f"them (the ranks share the experts out: expert parallelism)")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    atexit.register(dist.destroy_process_group)
+    return device, (dist.group.WORLD, world, dist.get_rank())
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput.")
+    ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput. "
+                                 "Under torchrun --nproc-per-node N the N ranks split the routed experts (expert "
+                                 "parallelism) and run every request together; each reads --model and --prompts.")
     ap.add_argument("--model", required=True, help="checkpoint directory, or a YAML config (random weights)")
     ap.add_argument("--prompts", type=Path, help="JSONL prompts")
     ap.add_argument("--out", type=Path, help="JSONL outputs")
@@ -2925,7 +2949,8 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--n", "--samples", type=int, default=1,
+                    help="samples per prompt (under torchrun --samples: torchrun takes --n as its own --nnodes ...)")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, help="positions a sequence may reach (default: what the longest "
                     "request needs, at least the model's max_position_embeddings, at most 8192)")
@@ -2986,6 +3011,8 @@ def main(argv=None):
             cfg = load_hf_config(args.model)
     except (OSError, ConfigError, WeightError) as e:
         ap.error(f"--model: {e}")
+    device, ep = cli_ranks(cfg.n_routed_experts, ap)
+    lead = ep is None or ep[2] == 0  # (rank 0 of a torchrun group prints and writes; every rank generates)
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.bench)
@@ -3011,14 +3038,26 @@ def main(argv=None):
         partial = args.out.with_name(args.out.name + ".partial")
         meta = args.out.with_name(args.out.name + ".partial.json")
         settings = run_settings(args, raw)
-        if args.resume and partial.exists():
-            start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
-                                                           enumerate(lines)], args.chunk)
-            print(f"resuming: {start} of {len(lines)} completions kept from {partial}")
-        elif args.resume:
-            print(f"--resume: no {partial}, so starting from the first prompt")
-        elif partial.exists():
-            print(f"{partial} (an interrupted run) is started over: --resume would continue it", file=sys.stderr)
+        stop = None
+        if lead:  # (rank 0 reads and cuts the partial file, and tells the other ranks where it ends)
+            try:
+                if args.resume and partial.exists():
+                    start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
+                                                                   enumerate(lines)], args.chunk)
+                    print(f"resuming: {start} of {len(lines)} completions kept from {partial}")
+                elif args.resume:
+                    print(f"--resume: no {partial}, so starting from the first prompt")
+                elif partial.exists():
+                    print(f"{partial} (an interrupted run) is started over: --resume would continue it",
+                          file=sys.stderr)
+            except SystemExit as e:
+                stop = str(e)
+        if ep is not None:
+            box = [start, stop]
+            dist.broadcast_object_list(box, src=0)
+            start, stop = box
+        if stop is not None:
+            raise SystemExit(stop if lead else 1)
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
         need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, _ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
@@ -3027,24 +3066,26 @@ def main(argv=None):
             if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
                 raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
                                  f"--max-model-len {args.max_model_len}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # random weights are drawn tensor by tensor into the engine (build_model's values for the seed, cast as
     # set_dtype casts them): no whole BF16 model on the device beside the engine's
     model = build_model(cfg, "meta", torch.float32, seed=None) if yaml_model else args.model
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
-              fp8_scale_fmt=args.fp8_scale_fmt)
+              fp8_scale_fmt=args.fp8_scale_fmt, ep=ep)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
                   mem_fraction=args.mem_fraction)
     try:
-        engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=True, **kw)
+        engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=lead, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
         raise SystemExit(f"error: --model {args.model}: {e}") from None
     except ValueError as e:  # what only the loaded model and the device tell: the cache does not fit
         if not str(e).startswith("invalid engine arguments"):
             raise
         raise SystemExit(f"error: {e}") from None
+    if ep is not None and lead:
+        ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
+        print(f"expert parallel: each of {ep[1]} ranks holds {ex.n_local} of the {ex.n_total} routed experts a layer")
     if yaml_model:
         engine.update_weights((n, Transformer.held_as(n, t, dtype)) for n, t in model.random_state(args.seed,
                                                                                                    device=device))
@@ -3062,10 +3103,16 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
-        print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {device}: {dt:.2f} s, "
-              f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
+        if lead:
+                print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {device}"
+                  f"{'' if ep is None else f' (rank 0 of {ep[1]}, the experts split)'}: {dt:.2f} s, {gen / dt:.0f} generated "
+                  f"tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
+    if not lead:  # the same generate calls as rank 0's, which writes their outputs
+        for start in range(start, len(prompts), args.chunk):
+            engine.generate(prompts[start:start + args.chunk], params[start:start + args.chunk], first_index=start)
+        return
     if not start:
         tmp = meta.with_name(meta.name + ".tmp")
         tmp.write_text(json.dumps(settings))

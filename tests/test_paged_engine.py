@@ -577,6 +577,50 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
     assert "--resume continues a --prompts/--out run" in capsys.readouterr().err
 
 
+def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monkeypatch):
+    """torchrun --nproc-per-node 2 rollout_server.py: the two ranks hold half the routed experts each (read from the
+    checkpoint: nothing else of the other half) and generate what one process generates; rank 0 alone writes, and
+    --resume keeps an interrupted one-process run's whole chunks. A resume rank 0 refuses stops both ranks with its
+    message (the others are told, not left waiting)."""
+    import json
+    from model.weights import save_pretrained
+    from tests.parallel_check import torchrun
+    ckpt, src = tmp_path / "ckpt", tmp_path / "p.jsonl"
+    save_pretrained(model, ckpt, dtype=torch.float32)
+    src.write_text("\n".join(json.dumps(p) for p in _prompts([5, 17, 3, 30, 9], seed=4)) + "\n")
+    args = ["--model", str(ckpt), "--prompts", str(src), "--max-tokens", "6", "--samples", "2", "--chunk", "4",
+            "--max-model-len", "64", "--max-seqs", "4"]
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "o.jsonl"
+    rollout_server.main([*args, "--out", str(ref)])
+    real, calls = rollout_server.Engine.generate, []
+
+    def spy(self, prompts, *a, **kw):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, prompts, *a, **kw)
+    monkeypatch.setattr(rollout_server.Engine, "generate", spy)
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main([*args, "--out", str(out)])
+    p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--resume", timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    for line in ("expert parallel: each of 2 ranks holds 4 of the 8 routed experts a layer",
+                 "resuming: 4 of 10 completions kept", "wrote 10 completions"):
+        assert p.stdout.count(line) == 1, p.stdout
+    want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (ref, out))
+    assert len(got) == len(want) == 10
+    for a, b in zip(got, want):
+        assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4
+    assert {r["token_ids"][0] for r in got} != {got[0]["token_ids"][0]}  # (not one token everywhere)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main([*args, "--out", str(out)])
+    (tmp_path / "o.jsonl.partial.json").unlink()
+    p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--resume", timeout=300)
+    assert p.returncode != 0 and "o.jsonl.partial.json is missing" in p.stderr, p.stderr[-3000:]
+
+
 def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     """--bench: a warm-up of the same batch and lengths with other tokens (kernels compiled, the batch's graph
     captured, no prefix shared) before the timed run, whose throughput it prints."""
