@@ -1862,7 +1862,8 @@ class Engine:
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
                  pipeline: bool = True, record_index: bool = False):
         """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
-        on identical requests, each holding 1/size of the routed experts.
+        on identical requests, each holding 1/size of the routed experts (from a checkpoint directory it reads
+        only those).
         pipeline: launch each decode step before reading the last one's tokens (they feed it on the device), so
         the host's bookkeeping overlaps the device's work; False: one step at a time (the twin).
         record_index: each Output also carries the indexer's chosen entries (Output.index_entries), for indexer
