@@ -4,7 +4,7 @@ client for it, and a command line.
     Engine(model_or_path, fp8=True, dtype=torch.bfloat16, device=None, ...)
     engine.generate(prompts: list[list[int]], SamplingParams(...)) -> [Output(token_ids, logprobs, routed_experts)]
     python rollout_server.py --model DIR --prompts FILE.jsonl --out FILE.jsonl [--bench]
-    torchrun --nproc-per-node N rollout_server.py ...   (the N ranks split the routed experts)
+    torchrun --nproc-per-node N rollout_server.py ... [--ep E]   (groups of E ranks split the routed experts)
 
 `Engine` is the paged engine: fixed-size per-sequence state (the sliding window's ring, each compressor's partial
 window and overlap series) lives in slot pools, the growing state (CSA / HCA compressed entries, indexer keys) in
@@ -45,7 +45,7 @@ import warnings
 from collections import deque
 from datetime import timedelta
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -2910,30 +2910,65 @@ def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple
     return keep
 
 
-def cli_ranks(n_experts: int, ap) -> tuple[torch.device, tuple | None]:
-    """The CLI's device and, under torchrun (WORLD_SIZE > 1), its expert-parallel group: every rank runs every
-    request on the same schedule, each holding 1/world of each layer's routed experts and reading only those from
-    the checkpoint (a node's GPUs serving a model none of them holds alone: DeepSeek-V4-Flash's ~284 GB of FP8
-    weights over 8 GPUs); rank 0 alone prints and writes. -> (device, Engine's ep or None)."""
+@dataclass
+class CliRanks:
+    """Where the CLI runs: one process, or torchrun's ranks in groups of ep_size consecutive ranks. A group is one
+    engine whose ranks share out each layer's routed experts (expert parallelism: a node's GPUs serving a model
+    none of them holds alone, DeepSeek-V4-Flash's ~284 GB of FP8 weights over 8) and run the same requests; the
+    groups take turns at the chunks (data parallelism). Rank 0 prints and writes, the groups' first ranks send it
+    their chunks' records."""
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    ep_size: int = 1
+    ep: tuple | None = None  # Engine's ep: (this rank's group, ep_size, its rank in the group); None: ep_size 1
+    gather: object = None  # a gloo group of every rank, through which the records reach rank 0 (more than 1 group)
+
+    @property
+    def group(self) -> int:
+        return self.rank // self.ep_size
+
+    @property
+    def groups(self) -> int:
+        return self.world // self.ep_size
+
+    def __str__(self):
+        return str(self.device) if self.world == 1 else (f"{self.device}, one of {self.groups} group(s) of "
+                                                         f"{self.ep_size} rank(s)")
+
+
+def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
+    """The CLI's ranks (WORLD_SIZE > 1: under torchrun) in groups of ep_size (None: all of them, one group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     if world == 1:
-        return torch.device("cuda" if cuda else "cpu"), None
-    if n_experts % world:
-        ap.error(f"torchrun with {world} ranks: the model's {n_experts} routed experts do not split evenly over "
-                 f"them (the ranks share the experts out: expert parallelism)")
+        if ep_size not in (None, 1):
+            ap.error(f"--ep {ep_size} splits the experts over torchrun's ranks: run under torchrun with a multiple "
+                     f"of {ep_size} ranks")
+        return CliRanks(torch.device("cuda" if cuda else "cpu"))
+    size = world if ep_size is None else ep_size
+    if world % size:
+        ap.error(f"--ep {size}: torchrun's {world} ranks do not split into groups of {size}")
+    if n_experts % size:
+        ap.error(f"--ep {size}: the model's {n_experts} routed experts do not split evenly over {size} ranks "
+                 f"(each group of --ep ranks shares them out; --ep defaults to all of torchrun's ranks)")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     atexit.register(dist.destroy_process_group)
-    return device, (dist.group.WORLD, world, dist.get_rank())
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(range(r, r + size))) for r in range(0, world, size)] if size > 1 else []
+    gather = dist.new_group(backend="gloo") if world > size else None
+    return CliRanks(device, rank, world, size, (groups[rank // size], size, rank % size) if size > 1 else None,
+                    gather)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput. "
-                                 "Under torchrun --nproc-per-node N the N ranks split the routed experts (expert "
-                                 "parallelism) and run every request together; each reads --model and --prompts.")
+                                 "Under torchrun the ranks form groups of --ep (default: all of them) that share out "
+                                 "the routed experts (expert parallelism) and take turns at the chunks; every rank "
+                                 "reads --model and --prompts.")
     ap.add_argument("--model", required=True, help="checkpoint directory, or a YAML config (random weights)")
     ap.add_argument("--prompts", type=Path, help="JSONL prompts")
     ap.add_argument("--out", type=Path, help="JSONL outputs")
@@ -2965,6 +3000,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--ep", type=int, help="under torchrun: ranks a group, which share out the routed experts "
+                    "(default: all ranks; 1: each rank a whole model, the ranks splitting the chunks)")
     ap.add_argument("--index-entries", action="store_true",
                     help="also write each position's indexer choices per CSA layer (index_entries; large)")
     ap.add_argument("--no-routed-experts", action="store_true",
@@ -2976,7 +3013,7 @@ def main(argv=None):
     from model.config import ConfigError, load_hf_config, load_yaml
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
-    for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len"):
+    for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len", "ep"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.mem_fraction <= 1:
@@ -3012,8 +3049,8 @@ def main(argv=None):
             cfg = load_hf_config(args.model)
     except (OSError, ConfigError, WeightError) as e:
         ap.error(f"--model: {e}")
-    device, ep = cli_ranks(cfg.n_routed_experts, ap)
-    lead = ep is None or ep[2] == 0  # (rank 0 of a torchrun group prints and writes; every rank generates)
+    ranks = cli_ranks(cfg.n_routed_experts, args.ep, ap)
+    device, ep, lead = ranks.device, ranks.ep, ranks.rank == 0  # (rank 0 prints and writes)
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.bench)
@@ -3053,7 +3090,7 @@ def main(argv=None):
                           file=sys.stderr)
             except SystemExit as e:
                 stop = str(e)
-        if ep is not None:
+        if ranks.world > 1:
             box = [start, stop]
             dist.broadcast_object_list(box, src=0)
             start, stop = box
@@ -3104,38 +3141,58 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
-        if lead:
-                print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {device}"
-                  f"{'' if ep is None else f' (rank 0 of {ep[1]}, the experts split)'}: {dt:.2f} s, {gen / dt:.0f} generated "
-                  f"tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s overall")
+        if lead:  # (each group ran the batch: rank 0's timed)
+            print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
+                  f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
+                  f"overall")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
-    if not lead:  # the same generate calls as rank 0's, which writes their outputs
-        for start in range(start, len(prompts), args.chunk):
-            engine.generate(prompts[start:start + args.chunk], params[start:start + args.chunk], first_index=start)
-        return
-    if not start:
+
+    def records(first: int, outs: list[Output]) -> str:
+        """A chunk's output lines (with --n a prompt's lines follow each other)."""
+        text = []
+        for i, o in enumerate(outs, first):
+            rec = {"index": i // args.n, "sample": i % args.n, "prompt_token_ids": o.prompt_token_ids,
+                   "token_ids": o.token_ids, "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+            if tok is not None:
+                rec["text"] = tok.decode(o.token_ids)
+            if not args.no_routed_experts:
+                rec["routed_experts"] = o.routed_experts.tolist()
+            if o.index_entries is not None:
+                rec["index_entries"] = o.index_entries.tolist()
+            text.append(json.dumps(rec) + "\n")
+        return "".join(text)
+    if lead and not start:
         tmp = meta.with_name(meta.name + ".tmp")
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, meta)
-    with open(partial, "a" if start else "w") as f:
-        for start in tqdm(range(start, len(prompts), args.chunk), desc="generating", unit="chunk",
-                          initial=start // args.chunk, total=-(-len(prompts) // args.chunk)):
-            end = start + args.chunk
-            for i, o in enumerate(engine.generate(prompts[start:end], params[start:end], first_index=start)):
-                # (with --n a prompt's lines follow each other)
-                rec = {"index": (start + i) // args.n, "sample": (start + i) % args.n,
-                       "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "logprobs": o.logprobs,
-                       "finish_reason": o.finish_reason}
-                if tok is not None:
-                    rec["text"] = tok.decode(o.token_ids)
-                if not args.no_routed_experts:
-                    rec["routed_experts"] = o.routed_experts.tolist()
-                if o.index_entries is not None:
-                    rec["index_entries"] = o.index_entries.tolist()
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-        os.fsync(f.fileno())
+    todo = range(start, len(prompts), args.chunk)  # the chunks' first requests; in a round group g takes the g-th
+    G = ranks.groups
+    with open(partial, "a" if start else "w") if lead else nullcontext() as f, \
+            tqdm(desc="generating", unit="chunk", initial=start // args.chunk, total=-(-len(prompts) // args.chunk),
+                 disable=not lead) as bar:
+        for k in range(0, len(todo), G):
+            text = None
+            if k + ranks.group < len(todo):
+                first = todo[k + ranks.group]
+                outs = engine.generate(prompts[first:first + args.chunk], params[first:first + args.chunk],
+                                       first_index=first)
+                text = records(first, outs) if ranks.rank % ranks.ep_size == 0 else None
+            texts = [text]
+            if G > 1:  # every group's first rank sends its chunk's lines; rank 0 writes them in chunk order
+                got = [None] * ranks.world if lead else None
+                dist.gather_object(text, got, dst=0, group=ranks.gather)
+                texts = got[::ranks.ep_size] if lead else []
+            if lead:
+                for t in texts:
+                    if t is not None:  # (None: a group past the last chunk)
+                        f.write(t)
+                f.flush()
+                bar.update(min(G, len(todo) - k))
+        if lead:
+            os.fsync(f.fileno())
+    if not lead:
+        return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
     print(f"wrote {len(prompts)} completions to {args.out}")

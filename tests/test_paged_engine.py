@@ -577,11 +577,12 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
     assert "--resume continues a --prompts/--out run" in capsys.readouterr().err
 
 
-def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monkeypatch):
+def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monkeypatch, capsys):
     """torchrun --nproc-per-node 2 rollout_server.py: the two ranks hold half the routed experts each (read from the
     checkpoint: nothing else of the other half) and generate what one process generates; rank 0 alone writes, and
     --resume keeps an interrupted one-process run's whole chunks. A resume rank 0 refuses stops both ranks with its
-    message (the others are told, not left waiting)."""
+    message (the others are told, not left waiting). With --ep 1 each rank is a whole engine and the two take turns
+    at the chunks: the one-process file byte for byte."""
     import json
     from model.weights import save_pretrained
     from tests.parallel_check import torchrun
@@ -602,23 +603,32 @@ def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monk
     monkeypatch.setattr(rollout_server.Engine, "generate", spy)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main([*args, "--out", str(out)])
+
+    def same_as_ref():  # (log-probs to rounding: the ranks run on one thread, sum the experts' rows in other orders)
+        want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (ref, out))
+        assert len(got) == len(want) == 10
+        for a, b in zip(got, want):
+            assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4
+        assert {r["token_ids"][0] for r in got} != {got[0]["token_ids"][0]}  # (not one token everywhere)
     p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--resume", timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     for line in ("expert parallel: each of 2 ranks holds 4 of the 8 routed experts a layer",
                  "resuming: 4 of 10 completions kept", "wrote 10 completions"):
         assert p.stdout.count(line) == 1, p.stdout
-    want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (ref, out))
-    assert len(got) == len(want) == 10
-    for a, b in zip(got, want):
-        assert {k: v for k, v in a.items() if k != "logprobs"} == {k: v for k, v in b.items() if k != "logprobs"}
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4
-    assert {r["token_ids"][0] for r in got} != {got[0]["token_ids"][0]}  # (not one token everywhere)
+    same_as_ref()
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main([*args, "--out", str(out)])
     (tmp_path / "o.jsonl.partial.json").unlink()
     p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--resume", timeout=300)
     assert p.returncode != 0 and "o.jsonl.partial.json is missing" in p.stderr, p.stderr[-3000:]
+    p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--ep", "1", timeout=300)
+    assert p.returncode == 0 and "expert parallel" not in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    same_as_ref()
+    with pytest.raises(SystemExit):
+        rollout_server.main([*args, "--out", str(out), "--ep", "2"])
+    assert "--ep 2 splits the experts over torchrun's ranks: run under torchrun" in capsys.readouterr().err
 
 
 def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
