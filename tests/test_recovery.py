@@ -334,6 +334,29 @@ def test_tied_embeddings_checkpoint_resume_and_export(tmp_path):
         assert torch.isfinite(m(torch.tensor([[1, 5, 7, 12]]))).all()
 
 
+def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path):
+    """init_from=DIR, the way a run starts from a release: each actor rank reads its part of an FP8 checkpoint (block
+    scales dequantized; its FSDP rows, under train.ep=2 its half of the experts) and the rollout gets the weights by
+    the first sync. After one step at lr 1e-12 the exported model is the checkpoint's to BF16 rounding, and the
+    step's mismatch_kl is FP8's alone (a rollout or an actor left at random weights would be far off)."""
+    from model import ModelConfig, build_model, load_pretrained, save_pretrained
+    from model.config import load_yaml
+    ckpt, out = tmp_path / "release", tmp_path / "run"
+    save_pretrained(build_model(ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"]), seed=5), ckpt,
+                    fp8=True, dtype=torch.float32)
+    finish(launch(out, 1, [f"init_from={ckpt}", "train.ep=2", "train.lr=1e-12", "ckpt.every=0", "eval.every=0"]))
+    [row] = metrics(out)
+    assert row["mismatch_kl"] < 1e-2, row
+    want = load_pretrained(ckpt, progress=False).state_dict()
+    got = load_pretrained(out / "final", progress=False).state_dict()
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        if w.is_floating_point():
+            assert (got[k] - w).abs().max() <= 2 ** -8 * w.abs().max() + 1e-9, k  # (+ the 1e-12 step)
+        else:
+            assert torch.equal(got[k], w), k
+
+
 def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
     msg = "config error: configs/tiny.yaml: deploy.world_size: the config expects 4 ranks, torchrun started 3"
     p = launch(tmp_path / "run", STEPS, ["deploy.world_size=4"])
