@@ -468,7 +468,7 @@ def onto(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str | None = None,
-                            progress: bool = False, ep=None) -> Transformer:
+                            progress: bool = False, ep=None, stream: bool = True) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
     routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
     scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
@@ -476,9 +476,13 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     The device gets only what this rank holds, in the formats it holds them: a checkpoint is read into host memory
     and each weight moves alone, quantized on arrival (the BF16 model is never whole on the device: DeepSeek-V4-
     Flash's is 569 GB); a model built on the meta device (weights to come by update_weights, as a rollout rank's
-    arrive by broadcast) is given memory for the held tensors only."""
+    arrive by broadcast) is given memory for the held tensors only; a model with weights is copied on meta and
+    its weights streamed in by update_weights, cast as set_dtype casts them (no second whole model beside the
+    caller's, on its device or another; one holding only some experts, load_pretrained's experts=, is copied;
+    stream=False copies any model whole first, the twin)."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
+    source = None  # a model whose weights are streamed in at the end
     if isinstance(model_or_path, (str, Path)):  # (under expert parallelism only this rank's experts are read)
         model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=None if ep is None else ep[1:])
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
@@ -486,7 +490,11 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
                         f"{type(model_or_path).__name__}")
     else:
-        model = copy.deepcopy(model_or_path).set_dtype(dtype)
+        whole = all(m.n_local == model_or_path.cfg.n_routed_experts for m in model_or_path.modules()
+                    if type(m) is Experts)
+        weights = not any(t.is_meta for t in model_or_path.stored_state().values())
+        source = model_or_path if stream and whole and weights else None
+        model = (meta_copy(source) if source is not None else copy.deepcopy(model_or_path)).set_dtype(dtype)
     model.eval().requires_grad_(False)
     scale_fmt = scale_fmt or "fp32"
     q = fp8_dtype(device) if fp8 else None
@@ -506,7 +514,18 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
         elif isinstance(mod, Attention):
             mod.input_gemms = InputGEMMs(InputGEMMs.linears(mod))
+    if source is not None:
+        update_weights(model, ((n, Transformer.held_as(n, t, dtype)) for n, t in source.stored_state().items()))
     return model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of model (its modules and settings) whose parameters and buffers are on meta: no storage."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        m = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(m, t.requires_grad) if isinstance(t, nn.Parameter) else m
+    return copy.deepcopy(model, memo)
 
 
 FP8_SCALE = ".fp8_scale"  # suffix of the block scales that travel after an FP8-quantized tensor

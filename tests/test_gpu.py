@@ -645,6 +645,29 @@ def _logprobs_close(outs_a, outs_b, fp8: bool):
         (fp8, len(diffs), sum(diffs) / len(diffs), max(diffs), parts)
 
 
+def test_engine_from_a_model_on_the_gpu_makes_no_second_copy():
+    """Engine(model) with the model on the GPU (prepare_inference_model, what Engine builds its model with): the
+    device gets the engine's held tensors and a tensor in flight, not a copy of the whole model beside the
+    caller's (stream=False, the twin, makes one); both hold the same bytes."""
+    from rollout_server import prepare_inference_model
+    m = _engine_model()
+    model_bytes = sum(t.nbytes for t in m.stored_state().values())
+    biggest = max(t.nbytes for t in m.stored_state().values())
+    held, peaks = {}, {}
+    for stream in (True, False):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        eng = prepare_inference_model(m, True, torch.bfloat16, torch.device("cuda"), stream=stream)
+        peaks[stream] = torch.cuda.max_memory_allocated() - base
+        held[stream] = {k: t.view(torch.uint8) if t.element_size() == 1 else t for k, t in eng.state_dict().items()}
+        del eng
+    assert held[True].keys() == held[False].keys()
+    assert all(torch.equal(held[True][k], held[False][k]) for k in held[True])
+    size = sum(t.nbytes for t in held[True].values())
+    assert peaks[False] > model_bytes and peaks[True] < size + 2 * biggest + (8 << 20), (peaks, size, model_bytes)
+
+
 def test_engine_graphs_match_eager_and_simple():
     from kernels import fp8_gemm
     from rollout_server import Engine, SamplingParams, SimpleEngine

@@ -137,6 +137,33 @@ def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arriv
                 _same(a, b)
 
 
+def _bits(t):
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_engine_streams_a_models_weights_as_a_whole_copy_holds_them(tie):
+    """Engine(model) builds its own model on meta and streams the given one's weights in (update_weights, cast as
+    set_dtype casts them): no second whole model on any device. It holds exactly what copying the model whole first
+    holds (stream=False, the twin), FP8 bytes and scales included, in fp32 and bf16, under expert parallelism, tied
+    head or not; the given model is left as it was."""
+    tied = f"model.tie_word_embeddings={str(tie).lower()}"
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32", tied])["model"])
+    real = input_dependent(build_model(cfg, seed=3), seed=3)
+    before = {k: v.clone() for k, v in real.state_dict().items()}
+    for fp8 in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+            for ep in (None, (None, 2, 1)):
+                a, b = (prepare_inference_model(real, fp8, dtype, "cpu", ep=ep, stream=s) for s in (True, False))
+                sa, sb = a.state_dict(), b.state_dict()
+                assert sa.keys() == sb.keys()
+                for k in sa:
+                    assert sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k])), (fp8, dtype, ep, k)
+                assert (a.head.weight is a.embed.weight) == tie
+    assert all(torch.equal(v, before[k]) for k, v in real.state_dict().items())
+    assert all(p.requires_grad for p in real.parameters())
+
+
 @pytest.mark.parametrize("fp8_ckpt", [False, True], ids=["bf16-ckpt", "fp8-ckpt"])
 def test_engine_from_a_checkpoint_under_ep_reads_only_its_experts(model, tmp_path, monkeypatch, fp8_ckpt):
     """Engine(directory, ep=...) on rank r of an expert-parallel group reads only its 1/size of each layer's routed
