@@ -492,8 +492,7 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     else:
         whole = all(m.n_local == model_or_path.cfg.n_routed_experts for m in model_or_path.modules()
                     if type(m) is Experts)
-        weights = not any(t.is_meta for t in model_or_path.stored_state().values())
-        source = model_or_path if stream and whole and weights else None
+        source = model_or_path if stream and whole and not any(p.is_meta for p in model_or_path.parameters()) else None
         model = (meta_copy(source) if source is not None else copy.deepcopy(model_or_path)).set_dtype(dtype)
     model.eval().requires_grad_(False)
     scale_fmt = scale_fmt or "fp32"

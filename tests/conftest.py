@@ -23,6 +23,13 @@ def input_dependent(model, seed: int = 0):
     return model
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (FP8 tensors too, which torch.equal does not take everywhere)."""
+    def raw(t):
+        return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    return a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+
+
 def saved_activation_bytes(model, B: int, T: int) -> int:
     """Bytes of the tensors autograd saves in one training forward of (B, T) random tokens through model (scored at
     every position), each storage once, parameters and buffers aside: what model.plan's activations model."""

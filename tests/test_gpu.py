@@ -650,6 +650,7 @@ def test_engine_from_a_model_on_the_gpu_makes_no_second_copy():
     device gets the engine's held tensors and a tensor in flight, not a copy of the whole model beside the
     caller's (stream=False, the twin, makes one); both hold the same bytes."""
     from rollout_server import prepare_inference_model
+    from tests.conftest import same_bytes
     m = _engine_model()
     model_bytes = sum(t.nbytes for t in m.stored_state().values())
     biggest = max(t.nbytes for t in m.stored_state().values())
@@ -660,10 +661,10 @@ def test_engine_from_a_model_on_the_gpu_makes_no_second_copy():
         torch.cuda.reset_peak_memory_stats()
         eng = prepare_inference_model(m, True, torch.bfloat16, torch.device("cuda"), stream=stream)
         peaks[stream] = torch.cuda.max_memory_allocated() - base
-        held[stream] = {k: t.view(torch.uint8) if t.element_size() == 1 else t for k, t in eng.state_dict().items()}
+        held[stream] = eng.state_dict()
         del eng
     assert held[True].keys() == held[False].keys()
-    assert all(torch.equal(held[True][k], held[False][k]) for k in held[True])
+    assert all(same_bytes(held[True][k], held[False][k]) for k in held[True])
     size = sum(t.nbytes for t in held[True].values())
     assert peaks[False] > model_bytes and peaks[True] < size + 2 * biggest + (8 << 20), (peaks, size, model_bytes)
 

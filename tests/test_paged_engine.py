@@ -13,7 +13,7 @@ from model.model import Transformer
 from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
                             is_fp8_held, prepare_inference_model, quantize, update_weights)
 import rollout_server
-from tests.conftest import input_dependent
+from tests.conftest import input_dependent, same_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -137,10 +137,6 @@ def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arriv
                 _same(a, b)
 
 
-def _bits(t):
-    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
-
-
 @pytest.mark.parametrize("tie", [False, True])
 def test_engine_streams_a_models_weights_as_a_whole_copy_holds_them(tie):
     """Engine(model) builds its own model on meta and streams the given one's weights in (update_weights, cast as
@@ -158,7 +154,7 @@ def test_engine_streams_a_models_weights_as_a_whole_copy_holds_them(tie):
                 sa, sb = a.state_dict(), b.state_dict()
                 assert sa.keys() == sb.keys()
                 for k in sa:
-                    assert sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k])), (fp8, dtype, ep, k)
+                    assert same_bytes(sa[k], sb[k]), (fp8, dtype, ep, k)
                 assert (a.head.weight is a.embed.weight) == tie
     assert all(torch.equal(v, before[k]) for k, v in real.state_dict().items())
     assert all(p.requires_grad for p in real.parameters())
@@ -185,7 +181,7 @@ def test_engine_from_a_checkpoint_under_ep_reads_only_its_experts(model, tmp_pat
         ref = prepare_inference_model(whole, True, torch.float32, "cpu", ep=(None, size, rank),
                                       scale_fmt="ue8m0" if fp8_ckpt else None)
         a, b = eng.state_dict(), ref.state_dict()
-        assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+        assert a.keys() == b.keys() and all(same_bytes(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match=r"experts=\(size 3, rank 0\): size must divide the 8 routed experts"):
         load_pretrained(tmp_path, experts=(3, 0), progress=False)
 
