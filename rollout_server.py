@@ -65,7 +65,7 @@ from kernels.sample import gumbel_sample, host_rows, threshold, to_host
 from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
-from model.weights import FP8_LINEAR, float_dtype, load_pretrained, stored_scale_fmt
+from model.weights import FP8_LINEAR, float_dtype, load_pretrained, load_state, pretrained_skeleton, stored_scale_fmt
 
 
 MIN_TEMPERATURE = 1e-30
@@ -452,14 +452,19 @@ class EngineExperts(nn.Module):
         return True
 
     @torch.no_grad()
-    def load_(self, name: str, w: torch.Tensor):
+    def load_(self, name: str, w: torch.Tensor, e: int | None = None):
+        """Stack `name` (w1, w2, w3) of this rank's routed experts from w, quantized where they are FP8 (e: w is
+        that one local expert's alone)."""
         w = w.to(self.w1.device)
-        if self.fp8 is None:
-            self.routed(name).copy_(w)
+        dst, scale = self.routed(name), None if self.fp8 is None else self.routed("s" + name[1])
+        if e is not None:
+            dst, scale = dst[e], None if scale is None else scale[e]
+        if scale is None:
+            dst.copy_(w)
             return
         q, s = quantize(w, self.fp8, self.scale_fmt)
-        self.routed(name).copy_(q)
-        self.routed("s" + name[1]).copy_(s.float())
+        dst.copy_(q)
+        scale.copy_(s.float())
 
 
 def onto(t: torch.Tensor, device) -> torch.Tensor:
@@ -473,18 +478,25 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
     scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
     (stored_scale_fmt: its FP8 weights keep their bits), else fp32.
-    The device gets only what this rank holds, in the formats it holds them: a checkpoint is read into host memory
-    and each weight moves alone, quantized on arrival (the BF16 model is never whole on the device: DeepSeek-V4-
-    Flash's is 569 GB); a model built on the meta device (weights to come by update_weights, as a rollout rank's
-    arrive by broadcast) is given memory for the held tensors only; a model with weights is copied on meta and
-    its weights streamed in by update_weights, cast as set_dtype casts them (no second whole model beside the
-    caller's, on its device or another; one holding only some experts, load_pretrained's experts=, is copied;
-    stream=False copies any model whole first, the twin)."""
+    The device gets only what this rank holds, in the formats it holds them, and no whole BF16 model is made on
+    any device (DeepSeek-V4-Flash's is 569 GB): a checkpoint's model is built on meta and its tensors stream in one
+    at a time, read onto the device, cast as load_pretrained casts them and quantized there (stream=False, the
+    twin: the checkpoint read whole into host memory, then each weight moved alone); a model built on the meta
+    device (weights to come by update_weights, as a rollout rank's arrive by broadcast) is given memory for the
+    held tensors only; a model with weights is copied on meta and its weights streamed in by update_weights, cast
+    as set_dtype casts them (none beside the caller's, on its device or another; one holding only some experts,
+    load_pretrained's experts=, is copied; stream=False copies any model whole first, the twin). Under expert
+    parallelism only this rank's experts are read from a checkpoint."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
-    source = None  # a model whose weights are streamed in at the end
-    if isinstance(model_or_path, (str, Path)):  # (under expert parallelism only this rank's experts are read)
-        model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=None if ep is None else ep[1:])
+    source = None  # a model, or (checkpoint directory, its model on meta), whose weights are streamed in at the end
+    if isinstance(model_or_path, (str, Path)):
+        share = None if ep is None else ep[1:]
+        if stream:
+            skeleton = pretrained_skeleton(model_or_path, dtype, experts=share, who="Engine")
+            source, model = (model_or_path, skeleton), meta_copy(skeleton)
+        else:
+            model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=share)
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
     elif not isinstance(model_or_path, Transformer):
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
@@ -513,7 +525,19 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
         elif isinstance(mod, Attention):
             mod.input_gemms = InputGEMMs(InputGEMMs.linears(mod))
-    if source is not None:
+    if isinstance(source, tuple):  # a checkpoint: each tensor read onto the device, cast, put in its holder
+        path, skeleton = source
+        mods = dict(model.named_modules())
+
+        def sink(target, t):
+            if isinstance(target, tuple):  # (an experts stack, a local expert): its EngineExperts quantizes it
+                stack, e = target
+                parent, _, leaf = stack.rpartition(".")
+                mods[parent].load_(leaf, t, e)
+            else:
+                update_weights(model, [(target, t)])
+        load_state(skeleton, path, device if device is not None else torch.get_default_device(), progress, sink)
+    elif source is not None:
         update_weights(model, ((n, Transformer.held_as(n, t, dtype)) for n, t in source.stored_state().items()))
     return model
 

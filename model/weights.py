@@ -193,14 +193,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def load_state(model: Transformer, path: str | Path, device=None, progress: bool = True) -> None:
+def load_state(model: Transformer, path: str | Path, device=None, progress: bool = True, sink=None) -> None:
     """Fill every parameter and persistent buffer of `model` (already allocated) from a checkpoint directory.
 
     Sharded models load only what this rank holds: the experts of its EP slice (others are never read) and the
-    dim-0 rows of its FSDP shards."""
+    dim-0 rows of its FSDP shards.
+    sink(target, tensor): each tensor goes there instead, one at a time, as `model` would hold it (its dtype, read
+    and dequantized on `device`); `model` (on meta, say: nothing of it is written) then names, shapes and checks
+    them. target: a state_dict name, or (name of an Experts stack, its local expert index) for one routed expert."""
     path = Path(path)
     files, wm = _checkpoint_files(path)
     shards = _Shards(path, wm)
+    if device is None and sink is not None:
+        raise ValueError("load_state: a sink needs the device to read onto")
     device = torch.device(device) if device is not None else _local(next(model.parameters())).device
     targets = dict(model.state_dict(keep_vars=True))
     tied = model.cfg.tie_word_embeddings
@@ -222,6 +227,11 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             raise WeightError(f"tensor '{label}': {src.dtype} in the checkpoint, the model holds {dst.dtype}"
                               + (" (packed FP4 needs its scale)" if src.dtype in FP4 else ""))
 
+    def check_ids(label, name, t):  # hash layers' token -> expert tables must name experts of this config
+        if name.endswith(".tid2eid") and t.numel() and (int(t.min()) < 0 or int(t.max()) >= E):
+            raise WeightError(f"{path}: tensor '{label}' holds expert ids from {int(t.min())} to {int(t.max())}, but "
+                              f"config.json has n_routed_experts = {E}")
+
     def put(name, dst, src, label):
         start, n = _rows(dst)
         full_shape = tuple(dst.shape)
@@ -229,9 +239,20 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             raise WeightError(f"tensor '{label}': shape {tuple(src.shape)} in the checkpoint, the model "
                               f"(config.json) expects {full_shape}")
         check_kind(label, src, dst)
+        check_ids(label, name, src)
         with torch.no_grad():
-            _local(dst).copy_(src[start:start + n].to(_local(dst).dtype))
+            if sink is not None:
+                sink(name, src[start:start + n].to(dst.dtype))
+            else:
+                _local(dst).copy_(src[start:start + n].to(_local(dst).dtype))
         filled.add(name)
+
+    def put_expert(stack, param, e, t):  # routed expert e of this rank's (a local index) into Experts stack `stack`
+        with torch.no_grad():
+            if sink is not None:
+                sink((stack, e), t.to(param.dtype))
+            else:
+                _local(param)[e].copy_(t)
 
     def own_experts(mod, leaf):
         """Local expert indices whose rows this rank holds."""
@@ -267,8 +288,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                             raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
                                               f"(config.json) expects {tuple(param.shape[1:])}")
                         check_kind(key, t, param)
-                        with torch.no_grad():
-                            _local(param)[e - start].copy_(t)
+                        put_expert(f"{m.group(1)}.{m.group(3)}", param, e - start, t)
                         filled.add((f"{m.group(1)}.{m.group(3)}", e))
                     continue
                 gate_up = m.group(2) == "gate_up_proj"
@@ -292,10 +312,9 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                     for g in range(E):
                         claim((f"{m.group(1)}.{leaf}", g), key)
                     part = t if leaf == "w2" else (t[:, :inter] if leaf == "w1" else t[:, inter:])
-                    with torch.no_grad():
-                        for e in rows:
-                            _local(getattr(mod, leaf))[e - start].copy_(part[e - rows.start])
-                            filled.add((f"{m.group(1)}.{leaf}", e))
+                    for e in rows:
+                        put_expert(f"{m.group(1)}.{leaf}", getattr(mod, leaf), e - start, part[e - rows.start])
+                        filled.add((f"{m.group(1)}.{leaf}", e))
                 continue
             if name == "head.weight" and tied:
                 continue
@@ -321,12 +340,6 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             n_missing += 1
     if missing:
         raise WeightError(f"{path}: checkpoint lacks {n_missing} tensor(s), first: {missing[:5]}")
-    for name in targets:  # hash layers' token -> expert tables must name experts of this config
-        if name.endswith(".tid2eid"):
-            t = _local(targets[name])
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= E):
-                raise WeightError(f"{path}: tensor '{sources.get(name, name)}' holds expert ids from {int(t.min())} "
-                                  f"to {int(t.max())}, but config.json has n_routed_experts = {E}")
 
 
 _SHARED_W1 = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w1\.weight$")
@@ -385,10 +398,21 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
     expert-parallel rank's share (Experts.expert_offset; the other experts' tensors are never read). Such a
     model is a holder of weights for the rollout engine, not one to call: its routing reaches all E experts.
     """
-    dtype = float_dtype(dtype, "load_pretrained")
     if isinstance(device, torch.dtype):
         raise TypeError(f"load_pretrained: device {device!r} is a dtype (pass it as dtype=)")
     device = torch.get_default_device() if device is None else device
+    model = pretrained_skeleton(path, dtype, cfg, experts)
+    model.to_empty(device=device).tie_weights()
+    load_state(model, path, device, progress)
+    model.reset_buffers()
+    return model.eval()
+
+
+def pretrained_skeleton(path: str | Path, dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None,
+                        experts: tuple[int, int] | None = None, who: str = "load_pretrained") -> Transformer:
+    """The model a checkpoint directory holds (load_pretrained's arguments), on meta: its modules, tensor names,
+    shapes and dtypes, no storage. load_state fills it, or streams the tensors elsewhere (its sink)."""
+    dtype = float_dtype(dtype, who)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
@@ -399,16 +423,12 @@ def load_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.f
             size, rank = experts
             E = cfg.n_routed_experts
             if not (0 <= rank < size and E % size == 0):
-                raise ValueError(f"load_pretrained: experts=(size {size}, rank {rank}): size must divide the "
+                raise ValueError(f"{who}: experts=(size {size}, rank {rank}): size must divide the "
                                  f"{E} routed experts and rank be in [0, size)")
             for mod in model.modules():
                 if isinstance(getattr(mod, "experts", None), Experts):
                     mod.experts = Experts(cfg, E // size, rank * (E // size))
-    model.set_dtype(dtype)
-    model.to_empty(device=device).tie_weights()
-    load_state(model, path, device, progress)
-    model.reset_buffers()
-    return model.eval()
+    return model.set_dtype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
+import json
 import random
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +30,23 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     def raw(t):
         return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
     return a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+
+
+def all_tensors(path) -> dict:
+    """Every tensor of a checkpoint directory's safetensors files, by its stored name."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def rewrite_checkpoint(path, tensors: dict):
+    """The checkpoint directory's tensors replaced by `tensors`, one file and its index (config.json kept)."""
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}}))
 
 
 def saved_activation_bytes(model, B: int, T: int) -> int:

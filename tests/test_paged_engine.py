@@ -186,6 +186,58 @@ def test_engine_from_a_checkpoint_under_ep_reads_only_its_experts(model, tmp_pat
         load_pretrained(tmp_path, experts=(3, 0), progress=False)
 
 
+@pytest.mark.parametrize("layout", ["bf16", "fp8", "fused"])
+def test_engine_streams_a_checkpoint_as_reading_it_whole_holds_it(tmp_path, monkeypatch, layout):
+    """Engine(directory) builds its model on meta and streams the checkpoint in a tensor at a time, each read onto
+    the device, cast and quantized there: load_pretrained, which reads the whole model into host memory first
+    (569 GB in BF16 for DeepSeek-V4-Flash), is never called. It holds exactly what reading the checkpoint whole
+    first holds (stream=False, the twin), FP8 bytes and scales included: from a BF16 and an FP8 (ue8m0) release
+    checkpoint and from transformers' fused expert stacks, for FP8 and BF16 engines in fp32 and bf16, under expert
+    parallelism or not, tied head or not. A bad checkpoint is refused as load_pretrained refuses it."""
+    from model.weights import WeightError, save_pretrained
+    from tests.conftest import all_tensors, rewrite_checkpoint
+    whole = rollout_server.load_pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the streamed engine read the whole checkpoint")
+    for tie in (False, True):
+        tied = f"model.tie_word_embeddings={str(tie).lower()}"
+        cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32", tied])["model"])
+        path = tmp_path / f"tie-{tie}"
+        save_pretrained(input_dependent(build_model(cfg, seed=3), seed=3), path, fp8=layout == "fp8",
+                        dtype=torch.float32)
+        if layout == "fused":  # every layer's routed experts as transformers stacks them
+            t = all_tensors(path)
+            for li in range(cfg.num_hidden_layers):
+                w = {n: torch.stack([t.pop(f"layers.{li}.ffn.experts.{e}.{n}.weight")
+                                     for e in range(cfg.n_routed_experts)]) for n in ("w1", "w2", "w3")}
+                key = f"model.layers.{li}.mlp.experts."
+                t[key + "gate_up_proj"], t[key + "down_proj"] = torch.cat([w["w1"], w["w3"]], 1), w["w2"]
+            rewrite_checkpoint(path, t)
+        for fp8 in (True, False):
+            for dtype in (torch.float32, torch.bfloat16) if layout == "fp8" else (torch.bfloat16,):
+                for ep in (None, (None, 2, 1)):
+                    monkeypatch.setattr(rollout_server, "load_pretrained", whole)
+                    b = prepare_inference_model(path, fp8, dtype, "cpu", ep=ep, stream=False)
+                    monkeypatch.setattr(rollout_server, "load_pretrained", refuse)
+                    a = prepare_inference_model(path, fp8, dtype, "cpu", ep=ep)
+                    sa, sb = a.state_dict(), b.state_dict()
+                    assert sa.keys() == sb.keys()
+                    for k in sa:
+                        assert same_bytes(sa[k], sb[k]), (layout, tie, fp8, dtype, ep, k)
+                    assert (a.head.weight is a.embed.weight) == tie
+    good = all_tensors(path)
+    ids, D = good["layers.0.ffn.gate.tid2eid"] + cfg.n_routed_experts, cfg.hidden_size
+    for edit, match in [({k: v for k, v in good.items() if k != "norm.weight"}, r"lacks 1 tensor\(s\), first: \['norm"),
+                        (dict(good, **{"layers.0.ffn.gate.tid2eid": ids}),
+                         rf"'layers.0.ffn.gate.tid2eid' holds expert ids from {int(ids.min())} to {int(ids.max())}"),
+                        (dict(good, **{"norm.weight": good["norm.weight"][:-1].clone()}),
+                         rf"'norm.weight': shape \({D - 1},\) in the checkpoint, the model \(config.json\) expects")]:
+        rewrite_checkpoint(path, edit)
+        with pytest.raises(WeightError, match=match):
+            prepare_inference_model(path, True, torch.bfloat16, "cpu")
+
+
 def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     """On a GPU the pools take mem_fraction of the memory free after the weights: the slots' state first, then at
     least one sequence of max_model_len's blocks, then as many more blocks as fit (a device's free memory faked here,

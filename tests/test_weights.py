@@ -5,33 +5,19 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kernels.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4, scale_to_float
 from model import ModelConfig, build_model, load_pretrained, save_pretrained
 from model.config import load_yaml
 from model.weights import WeightError
+from tests.conftest import all_tensors as _all_tensors, rewrite_checkpoint as _rewrite
 
 
 @pytest.fixture(scope="module")
 def tiny():
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml")["model"])
     return build_model(cfg, seed=0)
-
-
-def _all_tensors(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _rewrite(path, tensors):
-    for f in path.glob("*.safetensors"):
-        f.unlink()
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: "model.safetensors" for k in tensors}}))
 
 
 def test_bf16_round_trip_is_exact(tiny, tmp_path):
