@@ -13,7 +13,7 @@ from model.model import Transformer
 from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
                             is_fp8_held, prepare_inference_model, quantize, update_weights)
 import rollout_server
-from tests.conftest import input_dependent, same_bytes
+from tests.conftest import all_tensors, input_dependent, rewrite_checkpoint, same_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -192,10 +192,9 @@ def test_engine_streams_a_checkpoint_as_reading_it_whole_holds_it(tmp_path, monk
     the device, cast and quantized there: load_pretrained, which reads the whole model into host memory first
     (569 GB in BF16 for DeepSeek-V4-Flash), is never called. It holds exactly what reading the checkpoint whole
     first holds (stream=False, the twin), FP8 bytes and scales included: from a BF16 and an FP8 (ue8m0) release
-    checkpoint and from transformers' fused expert stacks, for FP8 and BF16 engines in fp32 and bf16, under expert
-    parallelism or not, tied head or not. A bad checkpoint is refused as load_pretrained refuses it."""
+    checkpoint and from transformers' fused expert stacks, for FP8 and BF16 engines (in bf16, and in fp32 from the FP8
+    checkpoint), under expert parallelism or not, tied head or not. A bad checkpoint is refused as load_pretrained refuses it."""
     from model.weights import WeightError, save_pretrained
-    from tests.conftest import all_tensors, rewrite_checkpoint
     whole = rollout_server.load_pretrained
 
     def refuse(*args, **kwargs):
