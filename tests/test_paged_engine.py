@@ -186,20 +186,23 @@ def test_engine_from_a_checkpoint_under_ep_reads_only_its_experts(model, tmp_pat
         load_pretrained(tmp_path, experts=(3, 0), progress=False)
 
 
-@pytest.mark.parametrize("layout", ["bf16", "fp8", "fused"])
+@pytest.mark.parametrize("layout", ["bf16", "fp8", "fused", "mxfp4"])
 def test_engine_streams_a_checkpoint_as_reading_it_whole_holds_it(tmp_path, monkeypatch, layout):
     """Engine(directory) builds its model on meta and streams the checkpoint in a tensor at a time, each read onto
     the device, cast and quantized there: load_pretrained, which reads the whole model into host memory first
     (569 GB in BF16 for DeepSeek-V4-Flash), is never called. It holds exactly what reading the checkpoint whole
     first holds (stream=False, the twin), FP8 bytes and scales included: from a BF16 and an FP8 (ue8m0) release
-    checkpoint and from transformers' fused expert stacks, for FP8 and BF16 engines (in bf16, and in fp32 from the FP8
-    checkpoint), under expert parallelism or not, tied head or not. A bad checkpoint is refused as load_pretrained refuses it."""
+    checkpoint, from transformers' fused expert stacks and from MXFP4 experts beside fp32-scaled FP8 linears (the
+    Flash release's and DeepSeek-V3's formats), for FP8 and BF16 engines (in bf16, and in fp32 from the FP8
+    checkpoint), under expert parallelism or not, tied head or not. A bad checkpoint is refused as load_pretrained
+    refuses it."""
+    from kernels.quant import quant_mxfp4
     from model.weights import WeightError, save_pretrained
     whole = rollout_server.load_pretrained
 
     def refuse(*args, **kwargs):
         raise AssertionError("the streamed engine read the whole checkpoint")
-    for tie in (False, True):
+    for tie in (False, True) if layout == "bf16" else (False,):
         tied = f"model.tie_word_embeddings={str(tie).lower()}"
         cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32", tied])["model"])
         path = tmp_path / f"tie-{tie}"
@@ -212,6 +215,13 @@ def test_engine_streams_a_checkpoint_as_reading_it_whole_holds_it(tmp_path, monk
                                      for e in range(cfg.n_routed_experts)]) for n in ("w1", "w2", "w3")}
                 key = f"model.layers.{li}.mlp.experts."
                 t[key + "gate_up_proj"], t[key + "down_proj"] = torch.cat([w["w1"], w["w3"]], 1), w["w2"]
+            rewrite_checkpoint(path, t)
+        if layout == "mxfp4":  # routed experts in MXFP4, a dense linear FP8 with fp32 `weight_scale_inv`
+            t = all_tensors(path)
+            for k in [k for k in t if ".ffn.experts." in k]:
+                t[k], t[k[: -len(".weight")] + ".scale"] = quant_mxfp4(t[k])
+            k = "layers.2.attn.wq_b.weight"
+            t[k], t[k + "_scale_inv"] = quantize(t[k], torch.float8_e4m3fn, "fp32")
             rewrite_checkpoint(path, t)
         for fp8 in (True, False):
             for dtype in (torch.float32, torch.bfloat16) if layout == "fp8" else (torch.bfloat16,):
