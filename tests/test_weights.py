@@ -11,7 +11,7 @@ from kernels.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, qua
 from model import ModelConfig, build_model, load_pretrained, save_pretrained
 from model.config import load_yaml
 from model.weights import WeightError
-from tests.conftest import all_tensors as _all_tensors, rewrite_checkpoint as _rewrite
+from tests.conftest import all_tensors, rewrite_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_fp32_round_trip_sharded_and_prefixed(tiny, tmp_path):
         assert torch.equal(v, tiny.state_dict()[k]), k
     # the same tensors under a "model." prefix, in one unindexed file
     (tmp_path / "b").mkdir()
-    save_file({"model." + k: v for k, v in _all_tensors(tmp_path / "a").items()},
+    save_file({"model." + k: v for k, v in all_tensors(tmp_path / "a").items()},
               str(tmp_path / "b" / "weights.safetensors"))
     (tmp_path / "b" / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
     ids = torch.randint(0, tiny.cfg.vocab_size, (1, 70), generator=torch.Generator().manual_seed(2))
@@ -82,7 +82,7 @@ def test_fp8_checkpoint_within_format_error(tiny, tmp_path):
 def test_release_fp32_scales_and_mxfp4_experts(tiny, tmp_path):
     """DeepSeek-V3-style fp32 `weight_scale_inv` for dense layers, Flash-style MXFP4 routed experts."""
     save_pretrained(tiny, tmp_path, dtype=torch.float32)
-    t = _all_tensors(tmp_path)
+    t = all_tensors(tmp_path)
     q, s = quant_fp8_block(t["layers.2.attn.wq_b.weight"], torch.float8_e4m3fn, scale_fmt="fp32")
     t["layers.2.attn.wq_b.weight"], t["layers.2.attn.wq_b.weight_scale_inv"] = q, s
     expected = {}
@@ -90,7 +90,7 @@ def test_release_fp32_scales_and_mxfp4_experts(tiny, tmp_path):
         packed, scale = quant_mxfp4(t[k])
         t[k], t[k[: -len(".weight")] + ".scale"] = packed, scale
         expected[k] = dequant_mxfp4(packed, scale)
-    _rewrite(tmp_path, t)
+    rewrite_checkpoint(tmp_path, t)
     back = load_pretrained(tmp_path, progress=False)
     assert torch.equal(back.layers[2].attn.wq_b.weight, dequant_fp8_block(q, s))
     assert torch.equal(back.layers[1].ffn.experts.w3[5], expected["layers.1.ffn.experts.5.w3.weight"])
@@ -99,10 +99,10 @@ def test_release_fp32_scales_and_mxfp4_experts(tiny, tmp_path):
 
 def test_missing_tensor_is_named(tiny, tmp_path):
     save_pretrained(tiny, tmp_path)
-    t = _all_tensors(tmp_path)
+    t = all_tensors(tmp_path)
     del t["layers.1.attn.indexer.weights_proj.weight"], t["layers.2.ffn.experts.6.w1.weight"]
     del t["layers.2.ffn.experts.7.w1.weight"]  # (two experts of one leaf: two tensors in the count)
-    _rewrite(tmp_path, t)
+    rewrite_checkpoint(tmp_path, t)
     with pytest.raises(WeightError, match=r"lacks 3 tensor\(s\).*layers\.1\.attn\.indexer\.weights_proj\.weight") as e:
         load_pretrained(tmp_path, progress=False)
     assert "layers.2.ffn.experts.6.w1.weight (and 1 more experts)" in str(e.value)
@@ -110,26 +110,26 @@ def test_missing_tensor_is_named(tiny, tmp_path):
 
 def test_shape_mismatch_is_named(tiny, tmp_path):
     save_pretrained(tiny, tmp_path)
-    t = _all_tensors(tmp_path)
+    t = all_tensors(tmp_path)
     t["layers.0.attn.wkv.weight"] = torch.zeros(7, 64, dtype=torch.bfloat16)
-    _rewrite(tmp_path, t)
+    rewrite_checkpoint(tmp_path, t)
     with pytest.raises(WeightError, match=r"layers\.0\.attn\.wkv\.weight.*\(7, 64\).*\(32, 64\)"):
         load_pretrained(tmp_path, progress=False)
 
 
 def test_unknown_dtype_unscaled_fp8_and_unexpected_tensor_are_named(tiny, tmp_path):
     save_pretrained(tiny, tmp_path)
-    good = _all_tensors(tmp_path)
+    good = all_tensors(tmp_path)
     bad = dict(good, **{"layers.0.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.bool)})
-    _rewrite(tmp_path, bad)
+    rewrite_checkpoint(tmp_path, bad)
     with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_a\.weight.*dtype"):
         load_pretrained(tmp_path, progress=False)
     bad = dict(good, **{"layers.0.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn)})
-    _rewrite(tmp_path, bad)
+    rewrite_checkpoint(tmp_path, bad)
     with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_a\.weight.*no block scale"):
         load_pretrained(tmp_path, progress=False)
     bad = dict(good, **{"layers.0.attn.wq_c.weight": torch.zeros(3, 3)})
-    _rewrite(tmp_path, bad)
+    rewrite_checkpoint(tmp_path, bad)
     with pytest.raises(WeightError, match=r"layers\.0\.attn\.wq_c\.weight"):
         load_pretrained(tmp_path, progress=False)
 
@@ -139,7 +139,7 @@ def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
     cast into a float weight, two names for one tensor with the later one winning, expert ids a hash table cannot
     route to) or fail with torch's own error (a scale of the wrong shape) are WeightErrors naming the tensor."""
     save_pretrained(tiny, tmp_path, dtype=torch.float32)
-    good = _all_tensors(tmp_path)
+    good = all_tensors(tmp_path)
     q, s = quant_fp8_block(good["layers.2.attn.wq_b.weight"], torch.float8_e4m3fn, scale_fmt="fp32")
     edits = [
         ({"layers.1.ffn.experts.8.w1.weight": good["layers.1.ffn.experts.0.w1.weight"].clone()},
@@ -155,11 +155,11 @@ def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
          r"its scale 'layers\.2\.attn\.wq_b\.weight_scale_inv' has shape \(\)"),
     ]
     for edit, match in edits:
-        _rewrite(tmp_path, dict(good, **edit))
+        rewrite_checkpoint(tmp_path, dict(good, **edit))
         with pytest.raises(WeightError, match=match):
             load_pretrained(tmp_path, progress=False)
     # the same tensor in two files and no index to say which one is read
-    _rewrite(tmp_path, good)
+    rewrite_checkpoint(tmp_path, good)
     (tmp_path / "model.safetensors.index.json").unlink()
     save_file({"norm.weight": good["norm.weight"]}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(WeightError, match="'norm.weight' is in both extra.safetensors and model.safetensors"):
@@ -171,7 +171,7 @@ def test_transformers_fused_experts_plain_and_fp8(tiny, tmp_path):
     BF16/FP32, and FP8 with `<tensor>_scale_inv` block scales, whole or with the gate and up halves scaled apart
     (transformers' layout where I is not a multiple of 128); a wrong expert count or shape is named."""
     save_pretrained(tiny, tmp_path, dtype=torch.float32)
-    good = _all_tensors(tmp_path)
+    good = all_tensors(tmp_path)
     E = tiny.cfg.n_routed_experts
 
     def fused(t, layer, fp8=None):
@@ -197,14 +197,14 @@ def test_transformers_fused_experts_plain_and_fp8(tiny, tmp_path):
 
     for fp8 in (None, "whole", "halves"):
         t, want = fused(good, 2, fp8)
-        _rewrite(tmp_path, t)
+        rewrite_checkpoint(tmp_path, t)
         back = load_pretrained(tmp_path, progress=False)
         for n in ("w1", "w2", "w3"):
             assert torch.equal(getattr(back.layers[2].ffn.experts, n), want[n]), (fp8, n)
     assert fp8 == "halves" and t["model.layers.2.mlp.experts.gate_up_proj_scale_inv"].shape[1] == 2
     t, _ = fused(good, 1)
     for bad in (t["model.layers.1.mlp.experts.gate_up_proj"][:E - 1], t["model.layers.1.mlp.experts.gate_up_proj"][..., :1]):
-        _rewrite(tmp_path, dict(t, **{"model.layers.1.mlp.experts.gate_up_proj": bad.contiguous()}))
+        rewrite_checkpoint(tmp_path, dict(t, **{"model.layers.1.mlp.experts.gate_up_proj": bad.contiguous()}))
         with pytest.raises(WeightError, match=rf"experts\.gate_up_proj': shape {tuple(bad.shape)}".replace("(", "\\(").replace(")", "\\)")):
             load_pretrained(tmp_path, progress=False)
 
