@@ -489,12 +489,12 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     parallelism only this rank's experts are read from a checkpoint."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
-    source = None  # a model, or (checkpoint directory, its model on meta), whose weights are streamed in at the end
+    source = skeleton = None  # a model / a checkpoint's model on meta, whose weights are streamed in at the end
     if isinstance(model_or_path, (str, Path)):
         share = None if ep is None else ep[1:]
         if stream:
             skeleton = pretrained_skeleton(model_or_path, dtype, experts=share, who="Engine")
-            source, model = (model_or_path, skeleton), meta_copy(skeleton)
+            model = meta_copy(skeleton)
         else:
             model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=share)
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
@@ -525,8 +525,7 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
             mod.shared_in_experts = mod.experts.fold_shared(mod.shared_experts)
         elif isinstance(mod, Attention):
             mod.input_gemms = InputGEMMs(InputGEMMs.linears(mod))
-    if isinstance(source, tuple):  # a checkpoint: each tensor read onto the device, cast, put in its holder
-        path, skeleton = source
+    if skeleton is not None:  # a checkpoint: each tensor read onto the device, cast, put in its holder
         mods = dict(model.named_modules())
 
         def sink(target, t):
@@ -536,7 +535,8 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                 mods[parent].load_(leaf, t, e)
             else:
                 update_weights(model, [(target, t)])
-        load_state(skeleton, path, device if device is not None else torch.get_default_device(), progress, sink)
+        load_state(skeleton, model_or_path, device if device is not None else torch.get_default_device(), progress,
+                   sink)
     elif source is not None:
         update_weights(model, ((n, Transformer.held_as(n, t, dtype)) for n, t in source.stored_state().items()))
     return model
