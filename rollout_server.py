@@ -59,7 +59,7 @@ from kernels.attention import (decode_attention, index_scores, index_topk, prefi
                                prefill_index_ref)
 from kernels.compress import compress_decode
 from kernels.fp8_gemm import (GEMV_ROWS, Prenorm, block_quant, fp8_gemm, fp8_linear, fp8_linear_grouped, pow2,
-                              small_linear, use_triton)
+                              small_linear, tickets, use_triton)
 from kernels.moe import fused_moe, moe_gemv_early, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, threshold, to_host
 from kernels.step import step_inputs
@@ -1882,6 +1882,12 @@ class Runner:
         host = {k: torch.empty(2, warm[k].nbytes, dtype=torch.uint8, pin_memory=True) for k in names}
         if host:  # (compiles to_host, on a count of its own)
             to_host(torch.zeros_like(self.ctr), [warm[k] for k in names], [host[k] for k in names])
+        # the capture stream's split-K / overlap ticket counters (kernels.fp8_gemm.tickets, keyed by stream), as many
+        # as the warm-up's stream holds after this step's kernels took theirs, made before the capture: inside it
+        # their zero fill would be a node of the graph, run by every replay (one launch on the step's path)
+        n = tickets(dev, 1).numel()
+        with torch.cuda.stream(self.capture_stream):
+            tickets(dev, n)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):

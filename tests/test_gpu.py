@@ -775,6 +775,29 @@ def test_two_engines_replay_their_graphs_at_once():
     assert fp8_gemm.tickets_left(torch.device("cuda", torch.cuda.current_device())) == 0
 
 
+def test_decode_graphs_replay_no_fill():
+    """No captured decode step replays a fill: before, the capture stream's split-K / overlap ticket counters were
+    first asked for inside the capture (the warm-up step runs on another stream), so the first graph that used them
+    zero-filled them on every replay, a launch on the step's path (once a step in the H200's batch-64 profile). 40
+    rows: the FP8 experts' overlapped kernels take tickets (from 17 tokens) and their 48-row graph is the engine's
+    first."""
+    from torch.profiler import ProfilerActivity, profile
+    from rollout_server import Engine, SamplingParams
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in range(20, 60)]
+    eng = Engine(_engine_model(), fp8=True, dtype=torch.bfloat16, max_model_len=512)
+    eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert any(k[0] == 48 for k in eng.runner.graphs), list(eng.runner.graphs)
+    for key, gr in eng.runner.graphs.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gr["graph"].replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert any("_moe_up_kernel" in n for n in names), (key, names)
+        assert not [n for n in names if "FillFunctor" in n or "Memset" in n], (key, names)
+
+
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
 def test_prefill_attention(mode):
     """prefill_attention (the decode kernel over linear buffers) against its reference at mini's head shapes: a
