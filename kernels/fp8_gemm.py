@@ -523,7 +523,10 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     on a stream of its own, so two engines' graphs replaying at once do not share counters). A request past the
     current size takes a larger buffer and keeps the old one alive: a graph captured before still reads and resets
     that one, and freed, its memory would go to other tensors whose bytes the graph's kernels would take for
-    tickets."""
+    tickets. A CUDA device without an index is the current one: "cuda" and "cuda:<current>" share counters (an engine
+    made on "cuda" made its capture stream's counters under the one key, and its kernels asked under the other,
+    inside the capture: a zero fill every replay ran)."""
+    device = _indexed(device)
     key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else (device, 0)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
@@ -535,7 +538,16 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
 
 def tickets_left(device: torch.device) -> int:
     """The sum of |counter| over every stream's ticket counters of `device` (0 after every launch finished)."""
+    device = _indexed(device)
     return sum(int(c.abs().sum()) for (d, _), c in _COUNTERS.items() if d == device)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """device, a CUDA one with its index (the current device's where it has none)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # fp8_linear takes the one-launch kernel (x quantized in each program) up to this many rows, act_quant + fp8_gemm

@@ -778,11 +778,14 @@ def test_two_engines_replay_their_graphs_at_once():
 def test_decode_graphs_replay_no_fill():
     """No captured decode step replays a fill: before, the capture stream's split-K / overlap ticket counters were
     first asked for inside the capture (the warm-up step runs on another stream), so the first graph that used them
-    zero-filled them on every replay, a launch on the step's path (once a step in the H200's batch-64 profile). 40
+    zero-filled them on every replay, a launch on the step's path (once a step in the H200's batch-64 profile): the
+    engine's device was "cuda", its kernels' "cuda:0", and the counters were keyed by the device as given. 40
     rows: the FP8 experts' overlapped kernels take tickets (from 17 tokens) and their 48-row graph is the engine's
     first."""
     from torch.profiler import ProfilerActivity, profile
     from rollout_server import Engine, SamplingParams
+    here = torch.cuda.current_device()
+    assert tickets(torch.device("cuda"), 1) is tickets(torch.device("cuda", here), 1)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in range(20, 60)]
     eng = Engine(_engine_model(), fp8=True, dtype=torch.bfloat16, max_model_len=512)
