@@ -776,12 +776,12 @@ def test_two_engines_replay_their_graphs_at_once():
 
 
 def test_decode_graphs_replay_no_fill():
-    """No captured decode step replays a fill: before, the capture stream's split-K / overlap ticket counters were
-    first asked for inside the capture (the warm-up step runs on another stream), so the first graph that used them
-    zero-filled them on every replay, a launch on the step's path (once a step in the H200's batch-64 profile): the
-    engine's device was "cuda", its kernels' "cuda:0", and the counters were keyed by the device as given. 40
-    rows: the FP8 experts' overlapped kernels take tickets (from 17 tokens) and their 48-row graph is the engine's
-    first."""
+    """No captured decode step replays a fill. The capture stream's split-K / overlap ticket counters must exist
+    before the capture, under the key its kernels ask with: made inside it, their zero fill is a graph node that
+    every replay runs, a launch on the step's path (once a step in the H200's batch-64 profile). Two causes, both
+    fixed: the warm-up step runs on another stream, so the capture stream's were first asked for inside the
+    capture; and the engine's device "cuda" and its kernels' "cuda:0" were two keys. 40 rows: the FP8 experts'
+    overlapped kernels take tickets (from 17 tokens) and their 48-row graph is the engine's first."""
     from torch.profiler import ProfilerActivity, profile
     from rollout_server import Engine, SamplingParams
     here = torch.cuda.current_device()
