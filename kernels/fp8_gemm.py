@@ -544,7 +544,6 @@ def tickets_left(device: torch.device) -> int:
 
 def _indexed(device: torch.device) -> torch.device:
     """device, a CUDA one with its index (the current device's where it has none)."""
-    device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
