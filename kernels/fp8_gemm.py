@@ -52,8 +52,9 @@ F32_DOT = "bf16x6" if torch.version.hip else "tf32x3"
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU)."""
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Triton on GPU tensors, or anywhere under TRITON_INTERPRET=1 (tests of the kernels' logic on CPU); never on
+    meta tensors (a model built on meta is given its holders' shapes by the torch twins, which run there)."""
+    return triton is not None and not t.is_meta and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # Programmatic dependent launch (NVIDIA sm90+): a kernel launched with it may start while the kernel before it in

@@ -777,6 +777,18 @@ def test_fp8_paged_engine_under_the_interpreter(tmp_path):
     _compiles_for_the_gpus(_interpreted(ENGINE_INTERPRETED, tmp_path, 900))
 
 
+def test_meta_tensors_take_the_torch_twins_even_under_the_interpreter(monkeypatch):
+    """A model built on meta (the engine's streamed load) gets its FP8 holders' shapes from the torch twins, which
+    run on meta: under TRITON_INTERPRET=1 a kernel would be handed tensors without data."""
+    pytest.importorskip("triton")
+    from kernels.fp8_gemm import block_quant, use_triton
+    from kernels.quant import fp8_dtype
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(torch.zeros(2)) and not use_triton(torch.empty(2, device="meta"))
+    q, s = block_quant(torch.empty(256, 384, device="meta", dtype=torch.bfloat16), fp8_dtype(torch.device("cpu")))
+    assert q.is_meta and q.shape == (256, 384) and s.shape == (2, 3)
+
+
 def test_tickets_grow_without_freeing_the_old_counters():
     """A larger request replaces the ticket counters but keeps the old buffer alive: CUDA graphs captured with it
     still read and reset it, so its memory must never go to another tensor."""
