@@ -151,6 +151,12 @@ def plan_trial(rng: random.Random, ref_seconds: float) -> dict:
     return {"rank": rng.choice(ranks), "at_s": round(rng.uniform(0.15, 0.9) * ref_seconds, 1), "restart": restart}
 
 
+def resumed_steps(log: str) -> list[int]:
+    """The steps a run's log says it resumed from, in order ("resumed from step N", and past train.steps "resumed
+    from step N: train.steps=... already reached")."""
+    return [int(m) for m in re.findall(r"resumed from step (\d+)", log)]
+
+
 def run_trial(root: Path, i: int, plan: dict, ref: list[dict], steps: int) -> dict:
     """Kill, check the checkpoints, resume, compare. Returns a record with the phase the victim was in."""
     out, trace = root / f"trial{i:02d}", root / f"trial{i:02d}.phases"
@@ -180,12 +186,12 @@ def run_trial(root: Path, i: int, plan: dict, ref: list[dict], steps: int) -> di
     rec["resumed_from"] = None
     if restart:
         if rec["killed"]:
-            starts = [int(ln.split()[-1]) for ln in log.splitlines() if ln.startswith("resumed from step")]
+            starts = resumed_steps(log)
             rec["resumed_from"] = starts[-1] if starts else 0
     elif p.returncode != 0 or rec["killed"]:
         newest = max(have, default=0)
         log2 = finish(launch(out, steps, resume="auto"), timeout=600)
-        rec["resumed_from"] = int(log2.split("resumed from step ")[1].split()[0]) if newest else 0
+        rec["resumed_from"] = resumed_steps(log2)[0] if newest else 0
         assert rec["resumed_from"] == newest, (rec, "did not resume from the newest complete checkpoint", have)
         complete_checkpoints(out)
     got = metrics(out)

@@ -231,6 +231,15 @@ def test_idle_ranks_take_the_drivers_progress_as_their_own(monkeypatch):
     assert drv.beat is None and fol.beat is None
 
 
+def test_the_trial_harness_reads_each_form_of_the_resume_line():
+    """tests.recovery reads the step a run resumed from, also in the line a run resumed past train.steps prints (a
+    torchrun restart after the last step's checkpoint): the harness once took that line's last word for the step."""
+    from tests.recovery import resumed_steps
+    log = ("[W] restarting\nresumed from step 2\nstep 3 ...\n"
+           "resumed from step 4: train.steps=4 already reached, nothing to train\n")
+    assert resumed_steps(log) == [2, 4] and resumed_steps("no resume here\n") == []
+
+
 def test_an_earlier_runs_checkpoints_are_set_aside_and_damaged_ones_never_counted(tmp_path):
     """A run starting at step 0 in an out_dir with an earlier run's checkpoints moves them (and its metrics) to
     previous-<n>/: before, the keep rule counted the earlier run's newer steps (deleting this run's own) and
