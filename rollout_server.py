@@ -64,6 +64,7 @@ from kernels.moe import fused_moe, moe_gemv_early, moe_kernels_take
 from kernels.sample import gumbel_sample, host_rows, threshold, to_host
 from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
+from model.config import CSA, HCA, ModelConfig, load_hf_config
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
 from model.weights import FP8_LINEAR, float_dtype, load_pretrained, load_state, pretrained_skeleton, stored_scale_fmt
 
@@ -1294,7 +1295,7 @@ class PagedCache:
         self.ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
         self.max_blocks = self.seq_blocks(cfg, max_len, block_entries)
         self.trash = n_slots
-        self.kind = self.layer_kinds(model)
+        self.kind = self.layer_kinds(cfg)
         for name, per_layer in self.shapes(model, n_slots, n_blocks, block_entries, dtype).items():
             setattr(self, name, {li: torch.zeros(shape, dtype=dt, device=device) for li, (shape, dt) in
                                  per_layer.items()})
@@ -1315,11 +1316,10 @@ class PagedCache:
                                                                                          cfg.hca_ratio))}
 
     @staticmethod
-    def layer_kinds(model: Transformer) -> dict:
+    def layer_kinds(cfg: ModelConfig) -> dict:
         """{layer index: the pool its compressed entries go to} for the layers that compress: CSA (with an indexer)
         or HCA."""
-        return {li: "csa" if blk.attn.indexer is not None else "hca" for li, blk in enumerate(model.layers)
-                if blk.attn.compressor is not None}
+        return {li: "csa" if t == CSA else "hca" for li, t in enumerate(cfg.layer_types) if t in (CSA, HCA)}
 
     # the per-layer tensors: a row a slot, and a block pool's
     SLOT_STATE = ("win", "buf_kv", "buf_gate", "prev_kv", "prev_gate", "ibuf_kv", "ibuf_gate", "iprev_kv",
@@ -1330,7 +1330,7 @@ class PagedCache:
     def shapes(cls, model: Transformer, n_slots: int, n_blocks: dict, block_entries: int, dtype) -> dict:
         """{tensor name: {layer index: (shape, dtype)}} of everything the cache holds a layer (what __init__
         allocates, and what the engine's pool sizing counts)."""
-        S, f32, kinds = n_slots + 1, torch.float32, cls.layer_kinds(model)
+        S, f32, kinds = n_slots + 1, torch.float32, cls.layer_kinds(model.cfg)
         out = {name: {} for name in cls.SLOT_STATE + cls.BLOCK_STATE}
         for li, blk in enumerate(model.layers):
             a = blk.attn
@@ -1927,6 +1927,14 @@ class Engine:
                              f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
+        if isinstance(num_blocks, dict):  # before the weights load, which takes minutes for a release checkpoint
+            src = model_or_path
+            cfg = src.cfg if isinstance(src, Transformer) else \
+                load_hf_config(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None
+            lack = [] if cfg is None else sorted(set(PagedCache.layer_kinds(cfg).values()) - set(num_blocks))
+            if lack:
+                raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
+                                 f"this model's {lack[0].upper()} layers need")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = float_dtype(dtype, type(self).__name__)
         self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
@@ -1951,11 +1959,7 @@ class Engine:
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
         full = {k: self.max_seqs * n + 1 for k, n in most.items()}  # (+ 1: block 0 is scratch)
-        if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes)
-            lack = sorted(set(PagedCache.layer_kinds(self.model).values()) - set(num_blocks))
-            if lack:
-                raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
-                                 f"this model's {lack[0].upper()} layers need")
+        if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes; checked above)
             return {**full, **{k: int(n) for k, n in num_blocks.items()}}
         if num_blocks is not None:
             return {k: int(num_blocks) for k in full}
@@ -3057,8 +3061,8 @@ def main(argv=None):
                          "replay needs, about 3 bytes a token a layer and expert in the JSON)")
     args = ap.parse_args(argv)
     from tqdm import tqdm
-    from model import ModelConfig, build_model
-    from model.config import ConfigError, load_hf_config, load_yaml
+    from model import build_model
+    from model.config import ConfigError, load_yaml
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
     for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len", "ep"):

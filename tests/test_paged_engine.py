@@ -86,7 +86,7 @@ def test_greedy_equals_simple_engine_and_full_forward(model, kw):
 
 
 @pytest.mark.parametrize("ratios", [[0, 0, 0, 0], [0, 16, 0, 16], [4, 0, 4, 0]], ids=["sliding", "hca", "csa"])
-def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
+def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios, tmp_path):
     """Each pool 3 usable blocks of 4 entries: the three requests below need 3 blocks each of a ratio-4 (CSA) pool and
     1 each of a ratio-16 (HCA) pool. A model without CSA layers must run them together with no preemption (a pool no
     layer writes must not throttle the schedule); one with CSA layers must preempt, or the pools were not small."""
@@ -109,9 +109,15 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios):
     named = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64,
                    num_blocks={k: 4 for k in used}, block_entries=4, max_seqs=3).generate(prompts, params)
     assert [o.token_ids for o in named] == [o.token_ids for o in out]
+    # a checkpoint directory's pools are checked from its config.json, before any weight is read (here none is)
+    from model.weights import save_pretrained
+    save_pretrained(model, tmp_path, dtype=torch.float32)
+    for f in tmp_path.glob("*.safetensors*"):
+        f.unlink()
     for k in used:
-        with pytest.raises(ValueError, match=f"has no '{k}' pool, which this model's {k.upper()} layers need"):
-            Engine(model, device="cpu", num_blocks={j: 4 for j in used - {k}})
+        for src in (model, tmp_path, str(tmp_path)):
+            with pytest.raises(ValueError, match=f"has no '{k}' pool, which this model's {k.upper()} layers need"):
+                Engine(src, device="cpu", num_blocks={j: 4 for j in used - {k}})
 
 
 @pytest.mark.parametrize("tie", [False, True])
