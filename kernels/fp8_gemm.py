@@ -10,6 +10,7 @@ Triton on CUDA/ROCm (`use_triton(x)`), pure torch elsewhere; both compute
 from __future__ import annotations
 
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -526,11 +527,18 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     that one, and freed, its memory would go to other tensors whose bytes the graph's kernels would take for
     tickets. A CUDA device without an index is the current one: "cuda" and "cuda:<current>" share counters (an engine
     made on "cuda" made its capture stream's counters under the one key, and its kernels asked under the other,
-    inside the capture: a zero fill every replay ran)."""
+    inside the capture: a zero fill every replay ran). A buffer made while the stream captures a graph works but
+    puts that zero fill in the graph, so it warns: make the capturing stream's counters before the capture (call
+    this on that stream, or run the warm-up there), as rollout_server.Runner._capture does."""
     device = _indexed(device)
     key = (device, torch.cuda.current_stream(device).stream_id) if device.type == "cuda" else (device, 0)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            warnings.warn(f"kernels.fp8_gemm.tickets: the ticket counters of {device}, stream {key[1]} ({n} asked for) "
+                          "are made during CUDA graph capture, so their zero fill is a node that every replay of the "
+                          "graph runs; call tickets(device, n) on the capturing stream, or run the warm-up there, "
+                          "before the capture", stacklevel=2)
         if cnt is not None:
             _RETIRED.append(cnt)
         cnt = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)

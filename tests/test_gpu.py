@@ -801,6 +801,36 @@ def test_decode_graphs_replay_no_fill():
         assert not [n for n in names if "FillFunctor" in n or "Memset" in n], (key, names)
 
 
+def test_tickets_made_during_capture_warn():
+    """kernels.fp8_gemm.tickets warns when a stream's counters are first made inside a graph capture (their zero
+    fill is then a node that every replay runs) and stays silent for counters made on that stream before it; both
+    give zeroed counters after a replay."""
+    import warnings
+    from kernels import fp8_gemm
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for premade in (False, True):
+        s = torch.cuda.Stream()  # (from torch's pool: an id an earlier test's counters may be kept under)
+        old = fp8_gemm._COUNTERS.pop((dev, s.stream_id), None)
+        if old is not None:  # a graph captured before may still read it: retired, not freed
+            fp8_gemm._RETIRED.append(old)
+        s.wait_stream(torch.cuda.current_stream())
+        made = None
+        if premade:
+            with torch.cuda.stream(s):
+                made = tickets(dev, 64)
+        g = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(g, stream=s):
+                got = tickets(dev, 64)
+        hits = [w for w in seen if "during CUDA graph capture" in str(w.message)]
+        assert len(hits) == (0 if premade else 1), [str(w.message) for w in seen]
+        assert premade == (got is made)
+        g.replay()
+        torch.cuda.synchronize()
+        assert got.numel() >= 64 and int(got.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("mode", ["window", "csa", "hca"])
 def test_prefill_attention(mode):
     """prefill_attention (the decode kernel over linear buffers) against its reference at mini's head shapes: a
