@@ -474,7 +474,8 @@ def onto(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device, scale_fmt: str | None = None,
-                            progress: bool = False, ep=None, stream: bool = True) -> Transformer:
+                            progress: bool = False, ep=None, stream: bool = True,
+                            cfg: ModelConfig | None = None) -> Transformer:
     """A copy of the model on `device` in `dtype`, frozen, with FP8 holders swapped in (fp8=True) and the
     routed experts behind the grouped kernel (this rank's slice of them under rollout expert parallelism).
     scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's own
@@ -487,17 +488,18 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     held tensors only; a model with weights is copied on meta and its weights streamed in by update_weights, cast
     as set_dtype casts them (none beside the caller's, on its device or another; one holding only some experts,
     load_pretrained's experts=, is copied; stream=False copies any model whole first, the twin). Under expert
-    parallelism only this rank's experts are read from a checkpoint."""
+    parallelism only this rank's experts are read from a checkpoint. cfg: a checkpoint directory's config, where
+    the caller has read it already (None: read from its config.json)."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
     source = skeleton = None  # a model / a checkpoint's model on meta, whose weights are streamed in at the end
     if isinstance(model_or_path, (str, Path)):
         share = None if ep is None else ep[1:]
         if stream:
-            skeleton = pretrained_skeleton(model_or_path, dtype, experts=share, who="Engine")
+            skeleton = pretrained_skeleton(model_or_path, dtype, cfg, experts=share, who="Engine")
             model = meta_copy(skeleton)
         else:
-            model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, experts=share)
+            model = load_pretrained(model_or_path, "cpu", dtype, progress=progress, cfg=cfg, experts=share)
         scale_fmt = scale_fmt or stored_scale_fmt(model_or_path)
     elif not isinstance(model_or_path, Transformer):
         raise TypeError(f"model_or_path: a checkpoint directory (str or Path) or a model (model.Transformer), got "
@@ -1927,17 +1929,18 @@ class Engine:
                              f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
+        src, ckpt_cfg = model_or_path, None  # a checkpoint directory's config, where read here: not read again
         if isinstance(num_blocks, dict):  # before the weights load, which takes minutes for a release checkpoint
-            src = model_or_path
-            cfg = src.cfg if isinstance(src, Transformer) else \
-                load_hf_config(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None
+            if isinstance(src, (str, Path)) and Path(src).is_dir():
+                ckpt_cfg = load_hf_config(src)
+            cfg = src.cfg if isinstance(src, Transformer) else ckpt_cfg
             lack = [] if cfg is None else sorted(set(PagedCache.layer_kinds(cfg).values()) - set(num_blocks))
             if lack:
                 raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
                                  f"this model's {lack[0].upper()} layers need")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = float_dtype(dtype, type(self).__name__)
-        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
+        self.model = prepare_inference_model(src, fp8, dtype, device, fp8_scale_fmt, progress, ep, cfg=ckpt_cfg)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype

@@ -109,9 +109,18 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios, tmp_path):
     named = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64,
                    num_blocks={k: 4 for k in used}, block_entries=4, max_seqs=3).generate(prompts, params)
     assert [o.token_ids for o in named] == [o.token_ids for o in out]
-    # a checkpoint directory's pools are checked from its config.json, before any weight is read (here none is)
+    # from a checkpoint directory: its config.json read once, for the pools' check and the load
+    from model import load_hf_config, weights
     from model.weights import save_pretrained
     save_pretrained(model, tmp_path, dtype=torch.float32)
+    reads = []
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (rollout_server, weights):
+            mp.setattr(mod, "load_hf_config", lambda path: reads.append(path) or load_hf_config(path))
+        loaded = Engine(tmp_path, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64,
+                        num_blocks={k: 4 for k in used}, block_entries=4, max_seqs=3).generate(prompts, params)
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in out] and len(reads) == 1, reads
+    # its pools are checked from its config.json, before any weight is read (here none is)
     for f in tmp_path.glob("*.safetensors*"):
         f.unlink()
     for k in used:
