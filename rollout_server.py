@@ -1929,18 +1929,19 @@ class Engine:
                              f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
-        src, ckpt_cfg = model_or_path, None  # a checkpoint directory's config, where read here: not read again
+        ckpt_cfg = None  # a checkpoint directory's config, where read here: not read again
         if isinstance(num_blocks, dict):  # before the weights load, which takes minutes for a release checkpoint
-            if isinstance(src, (str, Path)) and Path(src).is_dir():
-                ckpt_cfg = load_hf_config(src)
-            cfg = src.cfg if isinstance(src, Transformer) else ckpt_cfg
+            if isinstance(model_or_path, (str, Path)) and Path(model_or_path).is_dir():
+                ckpt_cfg = load_hf_config(model_or_path)
+            cfg = model_or_path.cfg if isinstance(model_or_path, Transformer) else ckpt_cfg
             lack = [] if cfg is None else sorted(set(PagedCache.layer_kinds(cfg).values()) - set(num_blocks))
             if lack:
                 raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
                                  f"this model's {lack[0].upper()} layers need")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = float_dtype(dtype, type(self).__name__)
-        self.model = prepare_inference_model(src, fp8, dtype, device, fp8_scale_fmt, progress, ep, cfg=ckpt_cfg)
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep,
+                                             cfg=ckpt_cfg)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
