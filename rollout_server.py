@@ -1145,12 +1145,13 @@ class SimpleSeq:
 class SimpleEngine:
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str | None = None, max_batch_tokens: int = 8192, progress: bool = False, ep=None,
-                 record_index: bool = False):
-        """record_index: each Output also carries the indexer's chosen entries (Output.index_entries)."""
+                 record_index: bool = False, cfg: ModelConfig | None = None):
+        """record_index: each Output also carries the indexer's chosen entries (Output.index_entries).
+        cfg: a checkpoint directory's config, where the caller has read it already (None: read from its config.json)."""
         check_sizes(max_batch_tokens=max_batch_tokens)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = float_dtype(dtype, type(self).__name__)
-        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep)
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep, cfg=cfg)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
         self.record_index = record_index
@@ -1910,7 +1911,7 @@ class Engine:
                  fp8_scale_fmt: str | None = None, max_seqs: int = 256, max_model_len: int = 4096,
                  block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
-                 pipeline: bool = True, record_index: bool = False):
+                 pipeline: bool = True, record_index: bool = False, cfg: ModelConfig | None = None):
         """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
         on identical requests, each holding 1/size of the routed experts (from a checkpoint directory it reads
         only those).
@@ -1919,7 +1920,9 @@ class Engine:
         record_index: each Output also carries the indexer's chosen entries (Output.index_entries), for indexer
         replay in training.
         fp8_scale_fmt: the FP8 block scales, "fp32" or "ue8m0" (powers of two); None: a checkpoint directory's
-        own (an FP8 checkpoint's weights keep their bits), else fp32."""
+        own (an FP8 checkpoint's weights keep their bits), else fp32.
+        cfg: a checkpoint directory's config, where the caller has read it already (None: read from its
+        config.json, once, for the pools' check and the load)."""
         pools = ({f"num_blocks[{k!r}]": n for k, n in num_blocks.items()} if isinstance(num_blocks, dict) else
                  {} if num_blocks is None else {"num_blocks": num_blocks})
         check_sizes(max_seqs=max_seqs, max_model_len=max_model_len, block_entries=block_entries,
@@ -1929,19 +1932,18 @@ class Engine:
                              f"{', '.join(map(repr, PagedCache.POOLS))})")
         if not (isinstance(mem_fraction, numbers.Real) and 0 < mem_fraction <= 1):
             raise ValueError(f"invalid engine arguments: mem_fraction={mem_fraction!r} (in (0, 1])")
-        ckpt_cfg = None  # a checkpoint directory's config, where read here: not read again
         if isinstance(num_blocks, dict):  # before the weights load, which takes minutes for a release checkpoint
-            if isinstance(model_or_path, (str, Path)) and Path(model_or_path).is_dir():
-                ckpt_cfg = load_hf_config(model_or_path)
-            cfg = model_or_path.cfg if isinstance(model_or_path, Transformer) else ckpt_cfg
+            if isinstance(model_or_path, Transformer):
+                cfg = model_or_path.cfg
+            elif cfg is None and isinstance(model_or_path, (str, Path)) and Path(model_or_path).is_dir():
+                cfg = load_hf_config(model_or_path)  # (handed to the load: not read again)
             lack = [] if cfg is None else sorted(set(PagedCache.layer_kinds(cfg).values()) - set(num_blocks))
             if lack:
                 raise ValueError(f"invalid engine arguments: num_blocks={num_blocks!r} has no {lack[0]!r} pool, which "
                                  f"this model's {lack[0].upper()} layers need")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = float_dtype(dtype, type(self).__name__)
-        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep,
-                                             cfg=ckpt_cfg)
+        self.model = prepare_inference_model(model_or_path, fp8, dtype, device, fp8_scale_fmt, progress, ep, cfg=cfg)
         for rope in (self.model.rope_main, self.model.rope_compress):  # positions stay below max_model_len
             rope.precompute(max_model_len + 1)
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
@@ -3165,7 +3167,7 @@ def main(argv=None):
     # set_dtype casts them): no whole BF16 model on the device beside the engine's
     model = build_model(cfg, "meta", torch.float32, seed=None) if yaml_model else args.model
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
-              fp8_scale_fmt=args.fp8_scale_fmt, ep=ep)
+              fp8_scale_fmt=args.fp8_scale_fmt, ep=ep, cfg=None if yaml_model else cfg)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
                   mem_fraction=args.mem_fraction)

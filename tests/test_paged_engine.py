@@ -129,6 +129,30 @@ def test_a_pool_no_layer_uses_neither_refuses_nor_preempts(ratios, tmp_path):
                 Engine(src, device="cpu", num_blocks={j: 4 for j in used - {k}})
 
 
+def test_cli_reads_a_checkpoints_config_once(model, tmp_path):
+    """rollout_server.py --model DIR reads DIR's config (load_hf_config) for its own checks and hands it to the engine,
+    paged or simple: one read a run, and the completions of an engine made from the directory alone."""
+    import json
+
+    from model import load_hf_config, weights
+    from model.weights import save_pretrained
+    ckpt, src = tmp_path / "ckpt", tmp_path / "p.jsonl"
+    save_pretrained(model, ckpt, dtype=torch.float32)
+    prompts = _prompts([5, 12], seed=2)
+    src.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    for engine in ("paged", "simple"):
+        out, reads = tmp_path / f"{engine}.jsonl", []
+        with pytest.MonkeyPatch.context() as mp:
+            for mod in (rollout_server, weights):
+                mp.setattr(mod, "load_hf_config", lambda path: reads.append(path) or load_hf_config(path))
+            rollout_server.main(["--model", str(ckpt), "--prompts", str(src), "--out", str(out), "--engine", engine,
+                                 "--max-tokens", "5", "--temperature", "0", "--max-model-len", "64"])
+        assert len(reads) == 1, reads
+        want = (Engine if engine == "paged" else SimpleEngine)(ckpt, device="cpu", dtype=torch.float32).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=5))
+        assert [json.loads(r)["token_ids"] for r in out.read_text().splitlines()] == [o.token_ids for o in want]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_engine_from_a_meta_model_holds_only_its_formats_until_the_weights_arrive(tie):
     """A rollout rank builds its model on meta (the BF16 DeepSeek-V4-Flash would not fit a GPU) and gets its weights
