@@ -660,7 +660,7 @@ class Experts(nn.Module):
         """xs (M, D) rows grouped by local expert, counts (E,) -> (M, D)."""
         if xs.shape[0] == 0:  # no rows: keep the weights in the graph (FSDP reduce-scatters every gradient)
             return xs + 0.0 * (self.w1[:1].sum() + self.w2[:1].sum() + self.w3[:1].sum())
-        if self.grouped and hasattr(torch, "_grouped_mm") and (xs.dtype == torch.bfloat16 or not xs.is_cuda):
+        if self.grouped and grouped_mm_takes(xs, self.w1):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = swiglu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs),
                        torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs), self.limit)
@@ -683,6 +683,14 @@ class Experts(nn.Module):
         counts = expert_counts(flat, self.n_local)
         inv = inverse(order)
         return combine(self.forward_sorted(dispatch(x, order, k, inv), counts), order, w, inv)
+
+
+def grouped_mm_takes(xs, w1):
+    """Whether torch._grouped_mm runs these experts: it exists, the dtype is one it has a kernel for on the device
+    (BF16 on a GPU), and every row stride (D and I elements) is a multiple of 16 bytes, as it requires."""
+    es = xs.element_size()
+    return (hasattr(torch, "_grouped_mm") and (xs.dtype == torch.bfloat16 or not xs.is_cuda)
+            and w1.shape[-1] * es % 16 == 0 and w1.shape[-2] * es % 16 == 0)
 
 
 def expert_counts(ids, n: int):

@@ -142,6 +142,41 @@ def test_grouped_linear_matches_einsum_twin():
     assert grad_case(_GroupedLinear.apply, _grouped_linear, [x, w]) < 1e-6
 
 
+def test_widths_grouped_mm_refuses_take_the_expert_loop():
+    """Rows that are not a multiple of 16 bytes (hidden 43, expert width 10 in FP32 and BF16), which
+    torch._grouped_mm refuses: the experts run their loop, so the forward in both dtypes and the backward run and
+    equal the loop's, and the paged engine's greedy tokens equal the full forward's argmax."""
+    from model.model import grouped_mm_takes
+    from rollout_server import Engine, SamplingParams
+    cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.hidden_size=43",
+                                                                "model.moe_intermediate_size=10"])["model"])
+    m = _model(cfg)
+    w1 = m.layers[0].ffn.experts.w1
+    assert not grouped_mm_takes(torch.empty(1, 43), w1) and not grouped_mm_takes(torch.empty(1, 43).bfloat16(), w1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def run(grouped):
+        Experts.grouped = grouped
+        try:
+            m.zero_grad()
+            out = m(ids)
+            out.logsumexp(-1).mean().backward()
+        finally:
+            Experts.grouped = True
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    (a, ga), (b, gb) = run(True), run(False)
+    assert torch.equal(a, b) and ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+    assert "layers.2.ffn.experts.w2" in ga and all(g.isfinite().all() for g in ga.values())
+    with torch.no_grad():
+        assert build_model(cfg, seed=0, dtype=torch.bfloat16)(ids).isfinite().all()
+        prompt = ids[0, :9].tolist()
+        out = Engine(m, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+        full = m(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1:-1].argmax(-1)
+    assert full.tolist() == out.token_ids
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_random_state_tensor_by_tensor_is_init_weights(tie):
     """A model too large for one device is built on meta and initialized tensor by tensor (the actor's shards from
