@@ -143,9 +143,9 @@ def test_grouped_linear_matches_einsum_twin():
 
 
 def test_widths_grouped_mm_refuses_take_the_expert_loop():
-    """Rows that are not a multiple of 16 bytes (hidden 43, expert width 10 in FP32 and BF16), which
-    torch._grouped_mm refuses: the experts run their loop, so the forward in both dtypes and the backward run and
-    equal the loop's, and the paged engine's greedy tokens equal the full forward's argmax."""
+    """Rows that are not a multiple of 16 bytes (hidden 43, expert width 10), which torch._grouped_mm refuses
+    ('strides should be multiple of 16 bytes'): the experts run their loop, so the FP32 forward and backward and
+    the BF16 forward run, and the paged engine's greedy tokens equal the full forward's argmax."""
     from model.model import grouped_mm_takes
     from rollout_server import Engine, SamplingParams
     cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.hidden_size=43",
@@ -154,20 +154,9 @@ def test_widths_grouped_mm_refuses_take_the_expert_loop():
     w1 = m.layers[0].ffn.experts.w1
     assert not grouped_mm_takes(torch.empty(1, 43), w1) and not grouped_mm_takes(torch.empty(1, 43).bfloat16(), w1)
     ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-
-    def run(grouped):
-        Experts.grouped = grouped
-        try:
-            m.zero_grad()
-            out = m(ids)
-            out.logsumexp(-1).mean().backward()
-        finally:
-            Experts.grouped = True
-        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-    (a, ga), (b, gb) = run(True), run(False)
-    assert torch.equal(a, b) and ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
-    assert "layers.2.ffn.experts.w2" in ga and all(g.isfinite().all() for g in ga.values())
+    m(ids).logsumexp(-1).mean().backward()
+    grads = [p.grad for n, p in m.named_parameters() if ".experts.w" in n]
+    assert len(grads) == 3 * cfg.num_hidden_layers and all(g.isfinite().all() and g.abs().sum() > 0 for g in grads)
     with torch.no_grad():
         assert build_model(cfg, seed=0, dtype=torch.bfloat16)(ids).isfinite().all()
         prompt = ids[0, :9].tolist()
