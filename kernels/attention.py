@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_gemm
-from .fp8_gemm import pdl, pdl_wait, pow2, quant_rows, sm_count, tickets, triton, use_triton
+from .fp8_gemm import dot32, pdl, pdl_wait, pow2, quant_rows, sm_count, tickets, triton, use_triton
 from .quant import fp8_max
 
 if triton is not None:
@@ -104,15 +104,15 @@ def prefill_attention_ref(q, keys, base, pos, sink, scale, W: int, entries=None,
 
 if triton is not None:
     @triton.jit
-    def _online(q, k, valid, m, l, acc, scale):
-        s = tl.dot(q, tl.trans(k)) * scale
+    def _online(q, k, valid, m, l, acc, scale, PREC: tl.constexpr):
+        s = dot32(q, tl.trans(k), PREC) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet (a split's first blocks)
         alpha = tl.exp(m - m_use)
         p = tl.exp(s - m_use[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        acc = acc * alpha[:, None] + dot32(p.to(k.dtype), k, PREC)
         return m_new, l, acc
 
     @triton.jit
@@ -154,7 +154,7 @@ if triton is not None:
                             OQ, OS, scale, H, max_blocks, fmax, W: tl.constexpr, D: tl.constexpr, BE: tl.constexpr,
                             KSEL: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, BOUNDED: tl.constexpr,
                             DYNAMIC: tl.constexpr, NS: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr = False,
+                            BLOCK_K: tl.constexpr, HALF: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr = False,
                             PDL: tl.constexpr = False, LINEAR: tl.constexpr = False):
         """Split sp of NS (flash-decoding): key blocks sp, sp + NS, ... of the window, then of the entries (MODE 1:
         sel's first count[b] positions when BOUNDED, else all KSEL; MODE 2: entries [0, count[b])). NS == 1: adds
@@ -185,7 +185,7 @@ if triton is not None:
             # (a masked lane's address kept at row 0, inside the buffer: a prefill row's lanes before position 0)
             krow = tl.where(valid, slot + kp, 0) if LINEAR else slot * W + j
             k = tl.load(WIN + krow[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0)
-            m, l, acc = _online(q, k, valid, m, l, acc, scale)
+            m, l, acc = _online(q, k, valid, m, l, acc, scale, PREC)
         eb = 0
         if LINEAR:  # row b's first entry
             eb = tl.load(TABLE + b).to(tl.int64)
@@ -199,7 +199,7 @@ if triton is not None:
                 idx = tl.maximum(idx, 0)
                 k = tl.load(POOL + _entry_row(TABLE, b, idx, valid, eb, max_blocks, BE, LINEAR)[:, None] * D +
                             rd[None, :], mask=valid[:, None], other=0.0)
-                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
+                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale, PREC)
         if MODE == 2:  # every entry written so far
             n = tl.load(COUNT + b)
             for t0 in range(0, n if DYNAMIC else CAP, NS * BLOCK_K):
@@ -207,7 +207,7 @@ if triton is not None:
                 valid = idx < n
                 k = tl.load(POOL + _entry_row(TABLE, b, idx, valid, eb, max_blocks, BE, LINEAR)[:, None] * D +
                             rd[None, :], mask=valid[:, None], other=0.0)
-                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale)
+                m, l, acc = _online(q, k.to(q.dtype), valid, m, l, acc, scale, PREC)
         sink = tl.load(SINK + rh, mask=mh, other=0.0).to(tl.float32)
         offs = (b * H + rh[:, None]) * D + rd[None, :]
         srow = (b * H + hb * BLOCK_H) * (D // 128)  # the block's first 1x128 tile (QUANT)
@@ -370,8 +370,8 @@ def _attention(q, win, slots, pos, sink, scale, pool, table, sel, count, splits,
             oq, osc, scale, H, max_blocks, fmax,
             W=W, D=d, BE=BE, KSEL=ksel, CAP=cap, MODE=mode,
             BOUNDED=mode == 1 and count is not None, DYNAMIC=q.is_cuda, NS=ns, MERGE=fuse, BLOCK_H=bh, BLOCK_K=bk,
-            HALF=half, QUANT=quant and (ns == 1 or fuse), num_warps=warps if d >= 256 else 4, num_stages=stages,
-            LINEAR=linear, **pdl(q))
+            HALF=half, PREC=fp8_gemm.F32_DOT, QUANT=quant and (ns == 1 or fuse), num_warps=warps if d >= 256 else 4,
+            num_stages=stages, LINEAR=linear, **pdl(q))
         if ns > 1 and not fuse:
             bd = min(d, 128)
             _decode_combine_kernel[(B * H, d // bd)](pm, pl, pacc, sink, out, cos, sin, oq, osc, H, fmax, D=d, NS=ns,

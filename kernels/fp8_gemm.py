@@ -93,6 +93,18 @@ if triton is not None:
         return tl.clamp(x / s[:, None], -fmax, fmax), s
 
     @triton.jit
+    def dot32(a, b, PREC: tl.constexpr):
+        """tl.dot(a, b), fp32 operands at about fp32 accuracy (an FP32 engine's products). PREC: the launch's
+        F32_DOT. On NVIDIA three TF32 passes, where tl.dot's own default is one (~1e-3 relative); on ROCm tl.dot's
+        default, "ieee" (exact; bf16x6 spilled the decode attention at head_dim 512 on gfx942). BF16 / FP8
+        operands: tl.dot as is."""
+        if a.dtype == tl.float32 and PREC == "tf32x3":
+            d = tl.dot(a, b, input_precision=PREC)
+        else:
+            d = tl.dot(a, b)
+        return d
+
+    @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         """A PDL kernel's first step before it reads or writes what other kernels use: wait for the kernel before
         it, then let the next one launch."""
@@ -100,7 +112,7 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
 else:
-    pdl_wait = gdc_wait = gdc_launch_dependents = quant_rows = None
+    pdl_wait = gdc_wait = gdc_launch_dependents = quant_rows = dot32 = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -351,7 +363,7 @@ if triton is not None:
     def _fp8_linear_kernel(X, SX, W, SW, Y, PART, CNT, M, N, stride_x, stride_sx, stride_w, stride_y, fmax,
                            K: tl.constexpr, KS: tl.constexpr, KSP: tl.constexpr, SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                           XQ: tl.constexpr, PDL: tl.constexpr = False):
+                           XQ: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
         """The FP8 linear / GEMM: program (n tile, K range s, group g x row tile) quantizes x's 1x128 tiles of K
         blocks [s*KS, (s+1)*KS) itself (act_quant's arithmetic) and multiplies them with the weight tiles (XQ: x
         is act_quant's output, SX its scales: fp8_gemm; not SCALED: a BF16 weight, x in its dtype, no
@@ -394,7 +406,7 @@ if triton is not None:
                 q, sx = quant_rows(x.to(tl.float32), fmax)
                 acc += tl.dot(q.to(W.dtype.element_ty), tl.trans(w)) * sx[:, None] * sw
             else:
-                acc += tl.dot(x.to(W.dtype.element_ty), tl.trans(w))
+                acc += dot32(x.to(W.dtype.element_ty), tl.trans(w), PREC)
         out = Y + rm[:, None] * stride_y + g * N + rn[None, :]
         mask = mm[:, None] & mn[None, :]
         if SPLIT == 1:
@@ -551,6 +563,29 @@ def tickets_left(device: torch.device) -> int:
     return sum(int(c.abs().sum()) for (d, _), c in _COUNTERS.items() if d == device)
 
 
+_STAGES: dict = {}
+
+
+def launch_fitting(kernel, grid, args: tuple, kwargs: dict, stages: int, key: tuple):
+    """kernel[grid](*args, **kwargs, num_stages=stages), or on fewer stages where that many stages' tiles do not
+    fit a program's shared memory on this GPU: Triton then raises OutOfResources at the launch, before the kernel
+    runs (e.g. the FP32 engine's expert tiles, twice BF16's bytes: the up kernel's 64-row blocks on 3 stages take
+    256 KiB, against 227 KiB a program on an H100 / H200; 160 KiB on 2). key: what decides the tiles' bytes; with the kernel, device and stages it keys
+    the stages that fitted, so the next launch takes them at once."""
+    memo = (kernel, _indexed(args[0].device), stages, key)
+    ns = _STAGES.get(memo, stages)
+    while True:
+        try:
+            out = kernel[grid](*args, **kwargs, num_stages=ns)
+        except triton.runtime.errors.OutOfResources:
+            if ns == 1:
+                raise
+            ns -= 1
+            continue
+        _STAGES[memo] = ns
+        return out
+
+
 def _indexed(device: torch.device) -> torch.device:
     """device, a CUDA one with its index (the current device's where it has none)."""
     if device.type == "cuda" and device.index is None:
@@ -607,8 +642,8 @@ def fp8_linear_fused(x2: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor | None
         _fp8_linear_kernel[grid](x2, x2 if sx is None else sx, wq, sw.contiguous() if scaled else wq, y, part, cnt,
                                  M, N, x2.stride(0), 0 if sx is None else sx.stride(0), wq.stride(0), y.stride(0),
                                  fp8_max(wq.dtype) if scaled else 1.0, K=K, KS=ks, KSP=pow2(ks), SPLIT=split,
-                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None, num_warps=4,
-                                 num_stages=stages, **pdl(x2))
+                                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, SCALED=scaled, XQ=sx is not None,
+                                 PREC=F32_DOT, num_warps=4, num_stages=stages, **pdl(x2))
     return y
 
 

@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .fp8_gemm import (act_quant, act_quant_ref, divisor_at_most, gdc_launch_dependents, pdl, pdl_wait, pow2,
-                       quant_rows, slab_dot, slab_rows, tickets, triton, use_triton)
+from .fp8_gemm import (F32_DOT, act_quant, act_quant_ref, divisor_at_most, dot32, gdc_launch_dependents,
+                       launch_fitting, pdl, pdl_wait, pow2, quant_rows, slab_dot, slab_rows, tickets, triton,
+                       use_triton)
 from .quant import BLOCK, fp8_max
 
 if triton is not None:
@@ -196,7 +197,7 @@ if triton is not None:
     def _moe_up_kernel(X, SX, W1, W3, S1, S3, H, SH, HDT, SLOTS, BEXP, PART, CNT, n_slots, stride_x, limit, fmax,
                        K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, SCALED: tl.constexpr,
                        QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       KSPLIT: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                       KSPLIT: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
                        READY=None, OVERLAP: tl.constexpr = False):
         """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...) of h = SwiGLU(x W1^T, x W3^T), rounded
         to HDT's dtype. QUANT (BLOCK_N == BLOCK_K: a tile is one 1x128 group a row): h leaves as the down
@@ -240,11 +241,11 @@ if triton is not None:
             w1 = tl.load(W1 + woff, mask=mn[:, None], other=0.0)
             w3 = tl.load(W3 + woff, mask=mn[:, None], other=0.0)
             if SWAP:
-                d1 = tl.dot(w1, tl.trans(x))
-                d3 = tl.dot(w3, tl.trans(x))
+                d1 = dot32(w1, tl.trans(x), PREC)
+                d3 = dot32(w3, tl.trans(x), PREC)
             else:
-                d1 = tl.dot(x, tl.trans(w1))
-                d3 = tl.dot(x, tl.trans(w3))
+                d1 = dot32(x, tl.trans(w1), PREC)
+                d3 = dot32(x, tl.trans(w3), PREC)
             if SCALED:
                 kb = k0 // BLOCK_K
                 sx = tl.load(SX + tok * nkb + kb, mask=valid, other=0.0)
@@ -291,13 +292,13 @@ if triton is not None:
 
     @triton.jit
     def _down_dot(H, SH, S2, w, e, rows, valid, rn, mn, rk, k0, K: tl.constexpr, D: tl.constexpr,
-                  SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
         """One K step of the down kernel: h's (rows, [k0, k0 + BLOCK_K)) times the weight tile w, scaled."""
         h = tl.load(H + rows[:, None] * K + (k0 + rk)[None, :], mask=valid[:, None], other=0.0)
         if SWAP:
-            d = tl.dot(w, tl.trans(h))
+            d = dot32(w, tl.trans(h), PREC)
         else:
-            d = tl.dot(h, tl.trans(w))
+            d = dot32(h, tl.trans(w), PREC)
         if SCALED:
             nkb: tl.constexpr = K // BLOCK_K
             kb = k0 // BLOCK_K
@@ -313,7 +314,7 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(H, SH, W2, S2, Y, WTS, SLOTS, BEXP, n_slots,
                          K: tl.constexpr, D: tl.constexpr, KR: tl.constexpr, KT: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                          SWAP: tl.constexpr = False, PDL: tl.constexpr = False, READY=None, DONE=None, NT=1,
                          OVERLAP: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Row block pb (one expert's slots), columns [pn * BLOCK_N, ...): Y[slot] = (h W2^T) times the slot's
@@ -355,10 +356,10 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if EARLY:
-            acc += _down_dot(H, SH, S2, w0, e, rows, valid, rn, mn, rk, 0, K, D, SCALED, SWAP, BLOCK_K)
+            acc += _down_dot(H, SH, S2, w0, e, rows, valid, rn, mn, rk, 0, K, D, SCALED, SWAP, BLOCK_K, PREC)
         for k0 in range(BLOCK_K if EARLY else 0, K, BLOCK_K):
             w = tl.load(wrow + k0, mask=mn[:, None], other=0.0)
-            acc += _down_dot(H, SH, S2, w, e, rows, valid, rn, mn, rk, k0, K, D, SCALED, SWAP, BLOCK_K)
+            acc += _down_dot(H, SH, S2, w, e, rows, valid, rn, mn, rk, k0, K, D, SCALED, SWAP, BLOCK_K, PREC)
         if SWAP:
             acc = tl.trans(acc)
         j = slot % KT  # a token's j-th slot: routed (weight WTS[token, j]) or shared (weight 1)
@@ -733,21 +734,24 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     cnt = tickets(x.device, nb * nt if ks > 1 else 2 * nb) if ks > 1 or overlap else h  # (overlap: ks == 1)
     wts = weights.float().contiguous()
     early = overlap and (moe_down_early(T, scaled) if early is None else early)
-    _moe_up_kernel[(nt, nb) if overlap else (nb, nt, ks)](
+    # (fewer stages where the tiles of ns do not fit shared memory: FP32 weights)
+    tile = (bm, bn, bn2, xq.dtype, w1.dtype)
+    launch_fitting(_moe_up_kernel, (nt, nb) if overlap else (nb, nt, ks), (
         xq, sx, w1, w3, s1 if scaled else w1, s3 if scaled else w3, h, sh, x, slots, bexp, part, cnt, T * kt,
-        xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0, K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, SWAP=swap, num_warps=nw, num_stages=ns, READY=cnt,
-        OVERLAP=overlap, **pdl(x), **moe_up_regs(x, bm, nw, swap, scaled))
+        xq.stride(0), limit, fp8_max(w2.dtype) if quant else 1.0), dict(
+        K=D, I=I, TOPK=kt, SCALED=scaled, QUANT=quant, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, KSPLIT=ks, SWAP=swap,
+        PREC=F32_DOT, num_warps=nw, READY=cnt, OVERLAP=overlap, **pdl(x), **moe_up_regs(x, bm, nw, swap, scaled)),
+        ns, tile)
     if scaled and not quant:
         hq, sh = act_quant(h, w2.dtype)
     else:
         hq = h
     y = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(nd, nb) if overlap else (nb, nd)](
-        hq, sh, w2, s2 if scaled else w2, y, wts, slots, bexp, T * kt,
-        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, SWAP=swap, num_warps=nw2,
-        num_stages=ns2, READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, EARLY=early,
-        **pdl(x))
+    launch_fitting(_moe_down_kernel, (nd, nb) if overlap else (nb, nd), (
+        hq, sh, w2, s2 if scaled else w2, y, wts, slots, bexp, T * kt), dict(
+        K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, SWAP=swap, PREC=F32_DOT,
+        num_warps=nw2,
+        READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, EARLY=early, **pdl(x)), ns2, tile)
     rows = SlotRows(y, ids.contiguous(), E, k, kt, x.dtype)
     return rows.summed() if summed else rows
 

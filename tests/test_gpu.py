@@ -645,6 +645,40 @@ def _logprobs_close(outs_a, outs_b, fp8: bool):
         (fp8, len(diffs), sum(diffs) / len(diffs), max(diffs), parts)
 
 
+def test_fp32_weights_on_the_gpu():
+    """FP32 weights on a GPU (Engine(dtype=torch.float32), fused_moe on FP32 stacks). Their tiles take twice
+    BF16's shared memory: at 64-row blocks (past 128 tokens: a prefill chunk) the up kernel's 3 stages needed 288
+    KiB (256 with the products below), against 227 KiB on an H100 / H200, and the launch raised OutOfResources
+    (kernels.fp8_gemm.launch_fitting now drops stages until they fit). And their products at about FP32 accuracy (kernels.fp8_gemm.dot32: tl.dot's
+    own default for FP32 operands is one TF32 pass, 1e-3 relative): the FP32 engine's greedy tokens had parted
+    from the model's own argmax (random odd-width configs, an H100), its log-probs off by 3e-3 to 2e-2."""
+    from rollout_server import Engine, SamplingParams
+    E, k, D, I = 8, 2, 256, 256
+    g = torch.Generator("cuda").manual_seed(0)
+    w = [torch.randn(E, I, D, device="cuda", generator=g) * 0.05, torch.randn(E, D, I, device="cuda", generator=g)
+         * 0.05, torch.randn(E, I, D, device="cuda", generator=g) * 0.05]
+    for T in (1, 64, 200):  # the GEMV kernels, 16-row blocks, 64-row blocks
+        x = torch.randn(T, D, device="cuda", generator=g)
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(-1)[:, :k]
+        wt = torch.rand(T, k, device="cuda", generator=g)
+        got, want = fused_moe(x, ids, wt, *w), fused_moe_ref(x, ids, wt, *w)
+        assert got.dtype == torch.float32 and rel(got, want) < 1e-5, (T, rel(got, want))
+    m = _engine_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (3, 40, 200, 11)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng = Engine(m, fp8=False, dtype=torch.float32, max_model_len=512)
+    assert eng.runner.use_graphs
+    for o in eng.generate(prompts, sp):
+        with torch.no_grad():
+            logits = m(torch.tensor([o.prompt_token_ids + o.token_ids], device="cuda"))[0].float()
+        logits = logits[len(o.prompt_token_ids) - 1:-1]
+        picked = logits.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0]
+        assert (logits.max(-1).values - picked).max().item() < 1e-4  # each token the argmax (up to a near-tie)
+        lp = logits.log_softmax(-1).gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0].cpu()
+        assert (lp - torch.tensor(o.logprobs)).abs().max().item() < 1e-4
+
+
 def test_engine_from_a_model_on_the_gpu_makes_no_second_copy():
     """Engine(model) with the model on the GPU (prepare_inference_model, what Engine builds its model with): the
     device gets the engine's held tensors and a tensor in flight, not a copy of the whole model beside the

@@ -117,6 +117,37 @@ def test_gemm_tiles_by_weight_size():
     assert _big_tiles(128, 256, 1, 192, (64, 128)) == (64, 1) and _big_tiles(512, 4096, 2, 96, (64,)) == (64, 4)
 
 
+def test_launch_fitting_drops_stages_that_do_not_fit():
+    """kernels.fp8_gemm.launch_fitting: a launch Triton refuses with OutOfResources (raised before the kernel
+    runs: its stages' tiles exceed the GPU's shared memory) is made again on one stage fewer until one fits; the
+    stages that fitted are where the next launch of those tiles starts; if one stage does not fit, the error."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+    from kernels.fp8_gemm import launch_fitting
+    tried = []
+
+    class Kernel:  # a launch fits up to `most` stages, as Triton's check at the launch decides
+        def __init__(self, most):
+            self.most = most
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kwargs):
+                tried.append(num_stages)
+                if num_stages > self.most:
+                    raise OutOfResources(num_stages * 96 << 10, self.most * 96 << 10, "shared memory")
+                return args, kwargs, num_stages
+            return launch
+
+    x, k = torch.zeros(2), Kernel(2)
+    assert launch_fitting(k, (1,), (x, 3), dict(BLOCK=64), 4, ("tiles",)) == ((x, 3), dict(BLOCK=64), 2)
+    assert tried == [4, 3, 2]
+    assert launch_fitting(k, (1,), (x,), {}, 4, ("tiles",))[2] == 2 and tried[3:] == [2]
+    assert launch_fitting(k, (1,), (x,), {}, 4, ("other tiles",))[2] == 2 and tried[4:] == [4, 3, 2]
+    assert launch_fitting(k, (1,), (x,), {}, 1, ("tiles",))[2] == 1
+    with pytest.raises(OutOfResources):
+        launch_fitting(Kernel(0), (1,), (x,), {}, 3, ("tiles",))
+
+
 def test_moe_align_and_reference():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     slots, be = moe_align(ids, 4, block_m=2)
