@@ -570,8 +570,8 @@ def launch_fitting(kernel, grid, args: tuple, kwargs: dict, stages: int, key: tu
     """kernel[grid](*args, **kwargs, num_stages=stages), or on fewer stages where that many stages' tiles do not
     fit a program's shared memory on this GPU: Triton then raises OutOfResources at the launch, before the kernel
     runs (e.g. the FP32 engine's expert tiles, twice BF16's bytes: the up kernel's 64-row blocks on 3 stages take
-    256 KiB, against 227 KiB a program on an H100 / H200; 160 KiB on 2). key: what decides the tiles' bytes; with the kernel, device and stages it keys
-    the stages that fitted, so the next launch takes them at once."""
+    256 KiB, against 227 KiB a program on an H100 / H200; 160 KiB on 2). key: what decides the tiles' bytes;
+    with the kernel, device and stages it keys the stages that fitted, so the next launch takes them at once."""
     memo = (kernel, _indexed(args[0].device), stages, key)
     ns = _STAGES.get(memo, stages)
     while True:

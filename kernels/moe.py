@@ -750,8 +750,8 @@ def fused_moe(x, ids, weights, w1, w2, w3, s1=None, s2=None, s3=None, limit: flo
     launch_fitting(_moe_down_kernel, (nd, nb) if overlap else (nb, nd), (
         hq, sh, w2, s2 if scaled else w2, y, wts, slots, bexp, T * kt), dict(
         K=I, D=D, KR=k, KT=kt, SCALED=scaled, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=BLOCK, SWAP=swap, PREC=F32_DOT,
-        num_warps=nw2,
-        READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, EARLY=early, **pdl(x)), ns2, tile)
+        num_warps=nw2, READY=cnt, DONE=cnt[nb:] if overlap else cnt, NT=nt, OVERLAP=overlap, EARLY=early, **pdl(x)),
+        ns2, tile)
     rows = SlotRows(y, ids.contiguous(), E, k, kt, x.dtype)
     return rows.summed() if summed else rows
 

@@ -649,9 +649,10 @@ def test_fp32_weights_on_the_gpu():
     """FP32 weights on a GPU (Engine(dtype=torch.float32), fused_moe on FP32 stacks). Their tiles take twice
     BF16's shared memory: at 64-row blocks (past 128 tokens: a prefill chunk) the up kernel's 3 stages needed 288
     KiB (256 with the products below), against 227 KiB on an H100 / H200, and the launch raised OutOfResources
-    (kernels.fp8_gemm.launch_fitting now drops stages until they fit). And their products at about FP32 accuracy (kernels.fp8_gemm.dot32: tl.dot's
-    own default for FP32 operands is one TF32 pass, 1e-3 relative): the FP32 engine's greedy tokens had parted
-    from the model's own argmax (random odd-width configs, an H100), its log-probs off by 3e-3 to 2e-2."""
+    (kernels.fp8_gemm.launch_fitting now drops stages until they fit). And their products at about FP32 accuracy
+    (kernels.fp8_gemm.dot32: tl.dot's own default for FP32 operands is one TF32 pass, 1e-3 relative): the FP32
+    engine's greedy tokens had parted from the model's own argmax (random odd-width configs, an H100), its
+    log-probs off by 3e-3 to 2e-2."""
     from rollout_server import Engine, SamplingParams
     E, k, D, I = 8, 2, 256, 256
     g = torch.Generator("cuda").manual_seed(0)
