@@ -572,7 +572,7 @@ def launch_fitting(kernel, grid, args: tuple, kwargs: dict, stages: int, key: tu
     runs (e.g. the FP32 engine's expert tiles, twice BF16's bytes: the up kernel's 64-row blocks on 3 stages take
     256 KiB, against 227 KiB a program on an H100 / H200; 160 KiB on 2). key: what decides the tiles' bytes;
     with the kernel, device and stages it keys the stages that fitted, so the next launch takes them at once."""
-    memo = (kernel, _indexed(args[0].device), stages, key)
+    memo = (kernel, args[0].device, stages, key)  # (a tensor's CUDA device carries its index)
     ns = _STAGES.get(memo, stages)
     while True:
         try:
