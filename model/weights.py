@@ -227,6 +227,12 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             raise WeightError(f"tensor '{label}': {src.dtype} in the checkpoint, the model holds {dst.dtype}"
                               + (" (packed FP4 needs its scale)" if src.dtype in FP4 else ""))
 
+    nans: list[tuple[str, torch.Tensor]] = []  # (checkpoint key, whether its decoded values hold a NaN), read once
+
+    def check_nan(label, t):  # (a NaN weight or scale would only show as NaN log-probs later; inf may be meant)
+        if t.is_floating_point():
+            nans.append((label, torch.isnan(t).any()))
+
     def check_ids(label, name, t):  # hash layers' token -> expert tables must name experts of this config
         if name.endswith(".tid2eid") and t.numel() and (int(t.min()) < 0 or int(t.max()) >= E):
             raise WeightError(f"{path}: tensor '{label}' holds expert ids from {int(t.min())} to {int(t.max())}, but "
@@ -240,6 +246,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                               f"(config.json) expects {full_shape}")
         check_kind(label, src, dst)
         check_ids(label, name, src)
+        check_nan(label, src)
         with torch.no_grad():
             if sink is not None:
                 sink(name, src[start:start + n].to(dst.dtype))
@@ -288,6 +295,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                             raise WeightError(f"tensor '{key}': shape {tuple(t.shape)} in the checkpoint, the model "
                                               f"(config.json) expects {tuple(param.shape[1:])}")
                         check_kind(key, t, param)
+                        check_nan(key, t)
                         put_expert(f"{m.group(1)}.{m.group(3)}", param, e - start, t)
                         filled.add((f"{m.group(1)}.{m.group(3)}", e))
                     continue
@@ -307,6 +315,7 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
                     raise WeightError(f"tensor '{key}': shape {(E, *t.shape[1:])} in the checkpoint (decoded), the "
                                       f"model (config.json) expects {want} (experts x rows x columns)")
                 check_kind(key, t, w)
+                check_nan(key, t)
                 inter = want[1] // 2
                 for leaf in leaves:
                     for g in range(E):
@@ -324,6 +333,12 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             claim(name, key)
             put(name, targets[name], _decode(key, shards.get(key), shards, device), key)
 
+    if nans:
+        flags = torch.stack([f for _, f in nans]).tolist()
+        bad = [key for (key, _), f in zip(nans, flags) if f]
+        if bad:
+            raise WeightError(f"{path}: {len(bad)} tensor(s) hold NaN (after dequantization, if scaled), first: "
+                              f"{bad[:5]}")
     missing, n_missing = [], 0
     for name in targets:
         mod_name, _, leaf = name.rpartition(".")

@@ -134,6 +134,12 @@ def test_unknown_dtype_unscaled_fp8_and_unexpected_tensor_are_named(tiny, tmp_pa
         load_pretrained(tmp_path, progress=False)
 
 
+def nan_at(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[t.numel() // 2] = float("nan")
+    return t
+
+
 def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
     """Checkpoint tensors that used to load silently (an expert past n_routed_experts skipped, an integer tensor
     cast into a float weight, two names for one tensor with the later one winning, expert ids a hash table cannot
@@ -153,6 +159,12 @@ def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
          r"layers\.2\.attn\.wq_b\.weight' with scale 'layers\.2\.attn\.wq_b\.weight_scale_inv': scale grid"),
         ({"layers.2.attn.wq_b.weight": q, "layers.2.attn.wq_b.weight_scale_inv": torch.ones(())},
          r"its scale 'layers\.2\.attn\.wq_b\.weight_scale_inv' has shape \(\)"),
+        # NaN in a plain weight, an expert and an FP8 block scale (which generated NaN log-probs before)
+        ({"norm.weight": nan_at(good["norm.weight"]), "layers.1.ffn.experts.3.w2.weight":
+          nan_at(good["layers.1.ffn.experts.3.w2.weight"])},
+         r"2 tensor\(s\) hold NaN .*\['layers\.1\.ffn\.experts\.3\.w2\.weight', 'norm\.weight'\]"),
+        ({"layers.2.attn.wq_b.weight": q, "layers.2.attn.wq_b.weight_scale_inv": nan_at(s)},
+         r"1 tensor\(s\) hold NaN .*\['layers\.2\.attn\.wq_b\.weight'\]"),
     ]
     for edit, match in edits:
         rewrite_checkpoint(tmp_path, dict(good, **edit))
