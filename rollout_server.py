@@ -3210,15 +3210,20 @@ def main(argv=None):
         """A chunk's output lines (with --n a prompt's lines follow each other)."""
         text = []
         for i, o in enumerate(outs, first):
+            # strict JSON: a NaN / Inf log-prob (json.dumps would write NaN, which JSON parsers refuse) is null
+            logprobs = [v if math.isfinite(v) else None for v in o.logprobs]
+            if None in logprobs:
+                print(f"warning: prompt {i // args.n} sample {i % args.n}: {logprobs.count(None)} of "
+                      f"{len(logprobs)} log-probs are NaN / Inf (written as null)", file=sys.stderr)
             rec = {"index": i // args.n, "sample": i % args.n, "prompt_token_ids": o.prompt_token_ids,
-                   "token_ids": o.token_ids, "logprobs": o.logprobs, "finish_reason": o.finish_reason}
+                   "token_ids": o.token_ids, "logprobs": logprobs, "finish_reason": o.finish_reason}
             if tok is not None:
                 rec["text"] = tok.decode(o.token_ids)
             if not args.no_routed_experts:
                 rec["routed_experts"] = o.routed_experts.tolist()
             if o.index_entries is not None:
                 rec["index_entries"] = o.index_entries.tolist()
-            text.append(json.dumps(rec) + "\n")
+            text.append(json.dumps(rec, allow_nan=False) + "\n")
         return "".join(text)
     if lead and not start:
         tmp = meta.with_name(meta.name + ".tmp")

@@ -348,6 +348,30 @@ def test_cli_random_weights_are_build_models(tmp_path, extra):
                                               device="cpu").generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
 
 
+def test_cli_writes_strict_json_when_log_probs_are_not_finite(tmp_path, monkeypatch, capsys):
+    """A NaN / Inf log-prob (a model that overflows) is written as null with a warning naming the completion, not
+    as json.dumps' NaN, which JSON parsers other than Python's refuse."""
+    import json
+    from rollout_server import main
+    real = Engine.generate
+
+    def broken(self, *a, **k):
+        outs = real(self, *a, **k)
+        outs[-1].logprobs[1:3] = [float("nan"), float("-inf")]
+        return outs
+    monkeypatch.setattr(Engine, "generate", broken)
+    (tmp_path / "p.jsonl").write_text("[5, 6, 7]\n[3, 4]\n")
+    main(["--model", "configs/tiny.yaml", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+          "--max-tokens", "4", "--temperature", "0", "--max-seqs", "2", "--max-model-len", "32"])
+
+    def refuse(c):
+        raise ValueError(f"not JSON: {c}")
+    rows = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["logprobs"].count(None) for r in rows] == [0, 2] and rows[1]["logprobs"][1:3] == [None, None]
+    assert all(isinstance(v, float) for r in rows for v in r["logprobs"] if v is not None)
+    assert "warning: prompt 1 sample 0: 2 of 4 log-probs are NaN / Inf (written as null)" in capsys.readouterr().err
+
+
 def test_cli_says_when_the_cache_does_not_fit(monkeypatch):
     """The CLI stops with the engine's reason, not a traceback, when the device's free memory (faked: the sizing as
     on a GPU) cannot hold the cache --max-seqs and --max-model-len ask for."""
