@@ -219,6 +219,11 @@ def test_transformers_fused_experts_plain_and_fp8(tiny, tmp_path):
         rewrite_checkpoint(tmp_path, dict(t, **{"model.layers.1.mlp.experts.gate_up_proj": bad.contiguous()}))
         with pytest.raises(WeightError, match=rf"experts\.gate_up_proj': shape {tuple(bad.shape)}".replace("(", "\\(").replace(")", "\\)")):
             load_pretrained(tmp_path, progress=False)
+    t, _ = fused(good, 1, "whole")  # a NaN in a fused FP8 stack's block scale
+    rewrite_checkpoint(tmp_path, dict(t, **{"model.layers.1.mlp.experts.down_proj_scale_inv":
+                                            nan_at(t["model.layers.1.mlp.experts.down_proj_scale_inv"])}))
+    with pytest.raises(WeightError, match=r"1 tensor\(s\) hold NaN .*\['model\.layers\.1\.mlp\.experts\.down_proj'\]"):
+        load_pretrained(tmp_path, progress=False)
 
 
 def test_load_arguments_and_forward_inputs_are_checked(tiny, tmp_path):
