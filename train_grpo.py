@@ -273,6 +273,14 @@ SECTIONS = {"deploy": DeployConfig, "task": TaskConfig, "train": TrainConfig, "r
             "eval": EvalConfig, "ckpt": CkptConfig}
 
 
+def _home(key: str, section: str = "") -> str:
+    """' (rollout.temperature and eval.temperature take it)' for a key that is a field of other sections than
+    `section`; '' where none has it."""
+    homes = [f"{name}.{key}" for name, sec in {"model": ModelConfig, **SECTIONS}.items()
+             if name != section and key in {f.name for f in dataclasses.fields(sec)}]
+    return f" ({' and '.join(homes)} {'takes' if len(homes) == 1 else 'take'} it)" if homes else ""
+
+
 @dataclass
 class RunConfig:
     out_dir: str = "runs/default"
@@ -294,7 +302,13 @@ class RunConfig:
         top = {f.name for f in dataclasses.fields(cls)}
         for k in d:
             if k not in top:
-                raise ConfigError(f"{path}: {k}: unknown key{closest(k, top)}")
+                raise ConfigError(f"{path}: {k}: unknown key{closest(k, top) or _home(k)}")
+        for name, sec in {"model": ModelConfig, **SECTIONS}.items():
+            mine = {f.name for f in dataclasses.fields(sec)}
+            sub = d.get(name)
+            for k in sub if isinstance(sub, dict) else ():
+                if k not in mine and not closest(k, mine) and (home := _home(k, name)):  # in the wrong section
+                    raise ConfigError(f"{path}: {name}.{k}: unknown key{home}")
         kw = {}
         for k in ("out_dir", "seed", "init_from", "plot"):
             if k in d:

@@ -25,6 +25,17 @@ def test_world_and_config_validation(tmp_path):
         RunConfig.load("configs/tiny.yaml", ["trian.steps=3"])
     with pytest.raises(ConfigError, match=r"train\.stpes: unknown key \(did you mean 'steps'\?\)"):
         RunConfig.load("configs/tiny.yaml", ["train.stpes=3"])
+    for item, said in [("train.temperature=0.5", "train.temperature: unknown key (rollout.temperature and "
+                                                 "eval.temperature take it)"),
+                       ("rollout.lr=1e-5", "rollout.lr: unknown key (train.lr takes it)"),
+                       ("train.hidden_size=64", "train.hidden_size: unknown key (model.hidden_size takes it)"),
+                       ("model.keep=3", "model.keep: unknown key (ckpt.keep takes it)"),
+                       ("lr=1e-5", "configs/tiny.yaml: lr: unknown key (train.lr takes it)"),
+                       ("train.save_every=5", "train.save_every: unknown key"),
+                       ("train.lrr=1", "train.lrr: unknown key (did you mean 'lr'?)")]:
+        with pytest.raises(ConfigError) as e:
+            RunConfig.load("configs/tiny.yaml", [item])
+        assert str(e.value).endswith(said), (item, str(e.value))
     with pytest.raises(ConfigError, match=r"train\.lr: expected a number"):
         RunConfig.load("configs/tiny.yaml", ["train.lr=fast"])
     for name in ("tiny", "mini", "dsv4"):
