@@ -31,9 +31,9 @@ class Item:
 def jsonl_lines(path: Path, data: bytes | None = None) -> list[str]:
     """A JSONL file's lines (of data, its bytes already read, if given), split on newlines only (str.splitlines
     also splits on U+2028, U+2029 and U+0085, which JSON strings may hold), or a ValueError naming a file that is
-    not UTF-8 text."""
+    not UTF-8 text. A leading byte-order mark (Windows editors write one) is dropped."""
     try:
-        return (path.read_bytes() if data is None else data).decode("utf-8").split("\n")
+        return (path.read_bytes() if data is None else data).decode("utf-8-sig").split("\n")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 

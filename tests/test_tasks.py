@@ -103,6 +103,22 @@ def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
         JsonlTask(small)
 
 
+def test_jsonl_files_saved_with_a_byte_order_mark(tmp_path):
+    """A leading UTF-8 BOM (Windows editors write one) made the first line 'not JSON' for the task and the rollout
+    CLI alike; it is dropped, and a BOM anywhere else is still the line's own text."""
+    from rollout_server import SamplingParams, read_prompts
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"prompt": f"p{i}?", "answer": i}) + "\n"
+                                           for i in range(8)).encode())
+    t = JsonlTask(f, seed=0, eval_size=2, strict=True)
+    assert t.bad_lines == 0 and len(t.items) + len(t.eval_items()) == 8
+    f.write_bytes(b"\xef\xbb\xbf[3, 4]\n" + json.dumps({"prompt_token_ids": [5]}).encode() + b"\n")
+    assert [p for p, _, _ in read_prompts(f, None, 32, SamplingParams())] == [[3, 4], [5]]
+    f.write_bytes(b"[3, 4]\n\xef\xbb\xbf[5]\n")
+    with pytest.raises(SystemExit, match="bom.jsonl:2: not JSON"):
+        read_prompts(f, None, 32, SamplingParams())
+
+
 def test_jsonl_task_bad_lines_and_split(tmp_path):
     lines = [json.dumps({"prompt": f"q{i}?", "answer": f"work... #### {i}"}) for i in range(20)]
     lines += ["{not json", json.dumps({"prompt": "no answer"}), json.dumps({"prompt": "  ", "answer": "1"}),
