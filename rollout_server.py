@@ -39,6 +39,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -3087,6 +3088,10 @@ def main(argv=None):
             ap.error(f"--out {args.out}: a directory, not a file")
         if args.out.resolve() == args.prompts.resolve():
             ap.error(f"--out {args.out}: the prompts file itself")
+        try:  # before the weights load (minutes for a large checkpoint): the run writes beside --out
+            tempfile.NamedTemporaryFile(dir=args.out.resolve().parent, prefix=f".{args.out.name}.").close()
+        except OSError as e:
+            ap.error(f"--out {args.out}: cannot write in {args.out.resolve().parent} ({type(e).__name__}: {e})")
     elif args.resume:
         ap.error("--resume continues a --prompts/--out run, not --bench")
     elif args.engine == "paged" and args.prompt_len + args.max_tokens > (args.max_model_len or MAX_MODEL_LEN):

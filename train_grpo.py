@@ -58,6 +58,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -1519,6 +1520,11 @@ def main(argv=None):
             out = out.parent
         if not out.is_dir():
             raise ConfigError(f"out_dir {cfg.out_dir}: {out} exists and is not a directory")
+        if rank == 0:  # the driver writes there (before the model is built: a checkpoint load takes minutes)
+            try:
+                tempfile.NamedTemporaryFile(dir=out, prefix=".write-check.").close()
+            except OSError as e:
+                raise ConfigError(f"out_dir {cfg.out_dir}: cannot write in {out} ({type(e).__name__}: {e})") from None
         if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():
             raise ConfigError(f"--resume {args.resume}: not a complete checkpoint (no meta.json)")
         task, tok = make_task(cfg)

@@ -1,5 +1,7 @@
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +67,17 @@ def saved_activation_bytes(model, B: int, T: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids, targets_mask=torch.ones(B, T - 1, device=dev))
     return sum(seen.values())
+
+
+@pytest.fixture
+def locked_dir(tmp_path) -> Path:
+    """A directory no file can be made in: a read-only one, or /proc where the tests run as root (who writes in
+    any mode)."""
+    if os.geteuid() == 0 and Path("/proc/self").is_dir():
+        return Path("/proc")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    return locked
 
 
 @pytest.fixture

@@ -830,7 +830,7 @@ def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
     assert seen[-1] == 303
 
 
-def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch):
+def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch, locked_dir):
     """Every check that needs no weights runs before they load (a large checkpoint takes minutes): each bad
     argument or prompt line stops the run naming the flag, file or line, and no model is built."""
     import json
@@ -843,6 +843,7 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
     monkeypatch.setattr(rollout_server, "Engine", built)
     src, nomodel = tmp_path / "p.jsonl", tmp_path / "nomodel.yaml"
     src.write_text(json.dumps([1, 2]) + "\n")
+    locked = locked_dir
     nomodel.write_text("seed: 1\n")
     ok = ["--prompts", str(src), "--out", str(tmp_path / "o.jsonl")]
     for argv, msg in ((["--model", str(tmp_path / "nothing"), *ok], "neither a checkpoint directory nor"),
@@ -862,6 +863,8 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "a directory, not a file"),
                       (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(src)],
                        "the prompts file itself"),
+                      (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(locked / "o.jsonl")],
+                       f"--out {locked / 'o.jsonl'}: cannot write in {locked} ("),
                       (["--model", "configs/tiny.yaml", "--bench", "--prompt-len", "100", "--max-model-len", "64"],
                        "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
                       # not a tokenizer.json: a raw Exception from the tokenizers package before

@@ -366,7 +366,7 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path):
             assert torch.equal(got[k], w), k
 
 
-def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
+def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys, locked_dir):
     msg = "config error: configs/tiny.yaml: deploy.world_size: the config expects 4 ranks, torchrun started 3"
     p = launch(tmp_path / "run", STEPS, ["deploy.world_size=4"])
     log = finish(p, timeout=120, ok=False)
@@ -380,7 +380,8 @@ def test_bad_launches_say_why_once_and_exit_nonzero(tmp_path, capsys):
                        ([f"out_dir={tmp_path / 'run'}", "--resume", "auto", "train.stpes=3"],
                         "train.stpes: unknown key"),
                        ([f"out_dir={tmp_path / 'afile' / 'run'}"],
-                        f"out_dir {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} exists and is not a directory")]:
+                        f"out_dir {tmp_path / 'afile' / 'run'}: {tmp_path / 'afile'} exists and is not a directory"),
+                       ([f"out_dir={locked_dir / 'run'}"], f"out_dir {locked_dir / 'run'}: cannot write in {locked_dir} (")]:
         with pytest.raises(SystemExit) as e:  # before torchrun's environment is even looked at
             train_grpo.main(["--config", "configs/tiny.yaml", *argv])
         assert said in str(e.value.code)
