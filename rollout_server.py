@@ -2899,9 +2899,12 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
                 if tokenizer is None:
                     raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
                 try:
-                    d = tokenizer.apply_chat(d["prompt"])
+                    text, d = d["prompt"], tokenizer.apply_chat(d["prompt"])
                 except ValueError as e:
                     raise SystemExit(f"{path}:{n}: prompt: {e}") from None
+                if not d:
+                    raise SystemExit(f"{path}:{n}: prompt = {json.dumps(text)} encodes to no tokens (through the chat "
+                                     f"template, with no --bos-token)")
         if not isinstance(d, list) or not d or not all(map(_is_int, d)):
             raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
         for what, ids in (("token id", d), ("stop token id", sp.stop_token_ids)):

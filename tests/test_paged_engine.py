@@ -926,7 +926,9 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
     assert [r["index"] for r in rows] == [0, 1, 2] and [r["prompt_token_ids"][0] for r in rows[:2]] == [1, 1]
     for bad, msg in (({"prompt": None}, "p.jsonl:2: prompt = null is not a non-empty string"),
                      ({"prompt": ""}, "p.jsonl:2: prompt = \"\" is not a non-empty string"),
-                     ({"prompt": "a", "prompt_token_ids": [1]}, "p.jsonl:2: prompt_token_ids or prompt, not both")):
+                     ({"prompt": "a", "prompt_token_ids": [1]}, "p.jsonl:2: prompt_token_ids or prompt, not both"),
+                     # whitespace only: no tokens (no --bos-token here); it was "expected a non-empty list of ids"
+                     ({"prompt": " \t "}, re.escape('p.jsonl:2: prompt = " \\t " encodes to no tokens'))):
         src.write_text(json.dumps(lines[1]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match=msg):
             rollout_server.main(base)
