@@ -1162,6 +1162,13 @@ def load_checkpoint(actor: Actor, task, path: Path, meta: dict) -> int:
         if mine[k].shape != v.shape or mine[k].dtype != v.dtype:
             raise SystemExit(f"{f}: {k} is {mine[k].dtype} {list(mine[k].shape)}, this run expects {v.dtype} "
                              f"{list(v.shape)}")
+    # a run saves no NaN / Inf weight or moment (the driver stops before checkpointing one), so one here is damage;
+    # loaded, it would stop the run a step later blaming the update (aminmax: one read, NaN propagates)
+    bad = [k for k, v in want.items() if v.is_floating_point() and mine[k].numel()
+           and not all(map(math.isfinite, (x.item() for x in torch.aminmax(mine[k]))))]
+    if bad:
+        raise SystemExit(f"{f}: {len(bad)} tensor(s) hold NaN / Inf, which a run never saves (the file is damaged), "
+                         f"first: {bad[:3]}{_older(path)}")
     with torch.no_grad():
         for k, v in actor.model.stored_state().items():
             local(v).copy_(mine[f"model.{k}"])

@@ -311,20 +311,32 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
         check_checkpoint(ck / "step_000001", cfg, 1, 2, 1)
 
 
-def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothing(ref, tmp_path):
+@pytest.mark.parametrize("damage", ["dtype", "nan"])
+def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothing(ref, tmp_path, damage):
+    """A tensor of another dtype, or one holding NaN / Inf (which a run never saves: the NaN one loaded and the run
+    stopped a step later, blaming the update and naming this very checkpoint as the one to resume)."""
     out = tmp_path / "run"
-    ck = out / "checkpoints" / "step_000004"
-    shutil.copytree(ref[0] / "checkpoints" / "step_000004", ck)
-    f = ck / "actor-rank00001.safetensors"
+    for step in (2, 4):
+        shutil.copytree(ref[0] / "checkpoints" / f"step_{step:06d}", out / "checkpoints" / f"step_{step:06d}")
+    f = out / "checkpoints" / "step_000004" / "actor-rank00001.safetensors"
     t = load_file(str(f))
     name = next(k for k in sorted(t) if k.startswith("model.") and t[k].dim() == 2)
-    t[name] = t[name].to(torch.float16)
+    if damage == "dtype":
+        t[name] = t[name].to(torch.float16)
+        said = [f"actor-rank00001.safetensors: {name} is torch.float16", "this run expects torch.float32"]
+    else:
+        moment = next(k for k in sorted(t) if k.endswith(".exp_avg_sq"))
+        t[name].view(-1)[3] = float("nan")
+        t[moment].view(-1)[-1] = float("inf")
+        said = ["actor-rank00001.safetensors: 2 tensor(s) hold NaN / Inf, which a run never saves",
+                "--resume auto goes on from the newest complete checkpoint before it, "
+                f"{out / 'checkpoints' / 'step_000002'}"]
     save_file(t, str(f))
     before = tree_digest(out / "checkpoints")
     p = launch(out, STEPS, resume="auto")
     log = finish(p, timeout=200, ok=False)
-    assert p.returncode != 0 and f"actor-rank00001.safetensors: {name} is torch.float16" in log, log[-3000:]
-    assert "this run expects torch.float32" in log and "grpo:" not in log  # no step was started
+    assert p.returncode != 0 and all(x in log for x in said), log[-3000:]
+    assert "grpo:" not in log  # no step was started
     assert tree_digest(out / "checkpoints") == before
 
 
