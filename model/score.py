@@ -18,16 +18,19 @@ import torch.nn.functional as F
 
 from .config import ConfigError, ModelConfig, load_yaml
 from .model import DTYPES, build_model
+from .tasks import jsonl_lines
 from .weights import load_pretrained, save_pretrained
 
 
 def read_sequences(path: Path, vocab: int) -> list[list[int]]:
     seqs = []
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = jsonl_lines(path)
+    except OSError as e:
         raise SystemExit(f"--tokens {path}: cannot read ({type(e).__name__}: {e})") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    except ValueError as e:  # not UTF-8 text
+        raise SystemExit(f"--tokens {e}") from None
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
