@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -121,6 +122,7 @@ class _Shards:
 
     def __init__(self, root: Path, weight_map: dict[str, str]):
         self.root, self.wm, self.handles = root, weight_map, {}
+        self.unused_scales: dict[str, str] = {}  # a BF16 / FP16 / FP32 tensor's key -> the block scale beside it
 
     def get(self, key: str) -> torch.Tensor:
         fname = self.wm[key]
@@ -179,6 +181,8 @@ def _decode(key: str, t: torch.Tensor, shards: _Shards, device, halves: int = 1,
         except ValueError as e:
             raise WeightError(f"tensor '{key}' with scale '{scale_key}': {e}") from None
     if t.dtype in FLOATS or t.dtype in INTS:
+        if scale_key is not None and t.dtype in FLOATS:
+            shards.unused_scales.setdefault(key, scale_key)
         return t.to(device)
     raise WeightError(f"tensor '{key}' has unsupported dtype {t.dtype}")
 
@@ -355,6 +359,12 @@ def load_state(model: Transformer, path: str | Path, device=None, progress: bool
             n_missing += 1
     if missing:
         raise WeightError(f"{path}: checkpoint lacks {n_missing} tensor(s), first: {missing[:5]}")
+    if shards.unused_scales:  # which is meant cannot be told: say it, and read the values as stored
+        key, scale = next(iter(shards.unused_scales.items()))
+        warnings.warn(f"{path}: {len(shards.unused_scales)} tensor(s) stored in a float dtype have a block scale "
+                      f"beside them, not applied (first: '{key}' with '{scale}'): right for a checkpoint upcast "
+                      f"from FP8 that kept its scales; if the scales were meant, its values are off by them",
+                      stacklevel=2)
 
 
 _SHARED_W1 = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w1\.weight$")

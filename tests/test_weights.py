@@ -170,6 +170,16 @@ def test_bad_tensors_are_refused_naming_them(tiny, tmp_path):
         rewrite_checkpoint(tmp_path, dict(good, **edit))
         with pytest.raises(WeightError, match=match):
             load_pretrained(tmp_path, progress=False)
+    # a float weight with a block scale beside it (a checkpoint upcast from FP8 that kept its scales, or one whose
+    # scales were meant: which, cannot be told): read as stored, with a warning naming the first (it was silent)
+    up = dequant_fp8_block(q, s, torch.float32)
+    rewrite_checkpoint(tmp_path, dict(good, **{"layers.2.attn.wq_b.weight": up,
+                                               "layers.2.attn.wq_b.weight_scale_inv": s}))
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) stored in a float dtype have a block scale beside them, "
+                                         r"not applied \(first: 'layers\.2\.attn\.wq_b\.weight' with "
+                                         r"'layers\.2\.attn\.wq_b\.weight_scale_inv'\)"):
+        m = load_pretrained(tmp_path, progress=False)
+    assert torch.equal(m.state_dict()["layers.2.attn.wq_b.weight"], up)
     # the same tensor in two files and no index to say which one is read
     rewrite_checkpoint(tmp_path, good)
     (tmp_path / "model.safetensors.index.json").unlink()
