@@ -1,14 +1,16 @@
 """Weight sync (exact FP8 weights on the rollout after a sync, from FSDP- and EP-sharded actors), off-policy
-overlap, and the multi-node launch: three torchrun agents with --nnodes 3 on 127.0.0.1."""
+overlap, and the multi-node launch script: three torchrun agents with --nnodes 3 on 127.0.0.1."""
 import os
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rollout_server import bucket_layout, bucket_plan
-from tests.recovery import N_ACTOR, SMALL, finish, launch, metrics
+from tests.recovery import N_ACTOR, ROOT, SMALL, finish, launch, metrics
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
@@ -65,18 +67,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_three_torchrun_agents_nnodes_3(tmp_path):
-    port, out = _free_port(), tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
-                               "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "train_grpo.py", "--config", "configs/tiny.yaml", f"out_dir={out}", "train.steps=3",
-                               *SMALL, "ckpt.every=0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in range(3)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-2000:] for x in logs)
-    assert "roles: actor ranks 0-1 on nodes ['0', '1'], rollout ranks 2-2 on nodes ['2']" in logs[0]
+def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_path):
+    """launch/torchrun_3node.sh as three torchrun agents (--nnodes 3, one rank a "node", on 127.0.0.1): the fixed node
+    ranks decide the global ranks, so the rollout rank is node 2's whatever order the agents start in."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NPROC_PER_NODE="1", CONFIG="configs/tiny.yaml",
+               PYTHONUNBUFFERED="1")
+    env.pop("NODE_RANK", None)
+    r = subprocess.run(["bash", "launch/torchrun_3node.sh"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "set NODE_RANK" in r.stderr, r.stderr
+    out = tmp_path / "run"
+    cmd = ["bash", "launch/torchrun_3node.sh", f"out_dir={out}", "train.steps=3", *SMALL, "ckpt.every=0"]
+    procs = {n: subprocess.Popen(cmd, env=dict(env, NODE_RANK=str(n)), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for n in (2, 1, 0)}  # the rollout node's agent first
+    logs = {}
+    try:
+        for n, p in procs.items():
+            logs[n] = p.communicate(timeout=300)[0]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs.values()), {n: log[-2000:] for n, log in logs.items()}
+    assert "roles: actor ranks 0-1 on nodes ['0', '1'], rollout ranks 2-2 on nodes ['2']" in logs[0], logs[0][-2000:]
+    assert "--resume auto: no complete checkpoint" in logs[0]  # the script always resumes (a restarted job goes on)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
