@@ -234,8 +234,12 @@ class JsonlTask:
     def _read(self, path: Path, strict: bool) -> list[Item]:
         if not path.exists():
             raise FileNotFoundError(f"{path}: dataset not found")
+        try:
+            lines = jsonl_lines(path)
+        except OSError as e:  # a directory, unreadable
+            raise OSError(f"{path}: cannot read the dataset ({type(e).__name__}: {e.strerror or e})") from None
         out = []
-        for n, line in enumerate(jsonl_lines(path), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

@@ -136,6 +136,8 @@ def test_jsonl_task_bad_lines_and_split(tmp_path):
         JsonlTask(f, strict=True)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         JsonlTask(tmp_path / "missing.jsonl")
+    with pytest.raises(OSError, match=r": cannot read the dataset \(IsADirectoryError"):  # was "[Errno 21] ..." alone
+        JsonlTask(tmp_path)
 
 
 def test_hf_tokenizer_trained_here_with_chat_template(tmp_path):
