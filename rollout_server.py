@@ -3034,7 +3034,8 @@ def main(argv=None):
     ap.add_argument("--model", required=True, help="checkpoint directory, or a YAML config (random weights)")
     ap.add_argument("--prompts", type=Path, help="JSONL prompts")
     ap.add_argument("--out", type=Path, help="JSONL outputs")
-    ap.add_argument("--tokenizer", help="tokenizer.json (for text prompts and decoded outputs)")
+    ap.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one, such as the checkpoint's (for "
+                                        "text prompts and decoded outputs)")
     ap.add_argument("--chat-template", default="{prompt}")
     ap.add_argument("--bos-token", help="a token put before each text prompt (train_grpo's task.bos_token)")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
@@ -3084,7 +3085,8 @@ def main(argv=None):
         if args.prompts is None or args.out is None:
             ap.error("--prompts and --out are required (or --bench)")
         if not args.prompts.is_file():
-            ap.error(f"--prompts {args.prompts}: no such file")
+            ap.error(f"--prompts {args.prompts}: " + ("a directory, not a file" if args.prompts.is_dir() else
+                                                      "no such file"))
         if not args.out.resolve().parent.is_dir():
             ap.error(f"--out {args.out}: no directory {args.out.resolve().parent}")
         if args.out.is_dir():
@@ -3100,8 +3102,9 @@ def main(argv=None):
     elif args.engine == "paged" and args.prompt_len + args.max_tokens > (args.max_model_len or MAX_MODEL_LEN):
         ap.error(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} exceed --max-model-len "
                  f"{args.max_model_len or MAX_MODEL_LEN}")
-    if args.tokenizer and not Path(args.tokenizer).is_file():
-        ap.error(f"--tokenizer {args.tokenizer}: no such file")
+    if args.tokenizer and not (Path(args.tokenizer).is_file() or (Path(args.tokenizer) / "tokenizer.json").is_file()):
+        ap.error(f"--tokenizer {args.tokenizer}: " + ("no tokenizer.json in this directory"
+                                                      if Path(args.tokenizer).is_dir() else "no such file"))
     yaml_model = args.model.endswith((".yaml", ".yml"))
     if not yaml_model and not Path(args.model).is_dir():
         ap.error(f"--model {args.model}: neither a checkpoint directory nor a .yaml config")

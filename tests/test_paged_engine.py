@@ -851,6 +851,10 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                       (["--model", str(nomodel), *ok], "no model: section"),
                       (["--model", "configs/tiny.yaml", "--prompts", str(tmp_path / "x.jsonl"), "--out", "o.jsonl"],
                        "x.jsonl: no such file"),
+                      (["--model", "configs/tiny.yaml", "--prompts", str(tmp_path), "--out", "o.jsonl"],
+                       f"--prompts {tmp_path}: a directory, not a file"),
+                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(tmp_path)],
+                       f"--tokenizer {tmp_path}: no tokenizer.json in this directory"),
                       (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "d" / "o")],
                        "no directory"),
                       (["--model", "configs/tiny.yaml", *ok, "--n", "0"], "--n must be >= 1, got 0"),
@@ -917,7 +921,7 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
     cfg = tmp_path / "m.yaml"
     cfg.write_text(open("configs/tiny.yaml").read().replace("vocab_size: 14 ", "vocab_size: 64 "))
     src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
-    base = ["--model", str(cfg), "--tokenizer", str(tmp_path / "tokenizer.json"), "--prompts", str(src), "--out",
+    base = ["--model", str(cfg), "--tokenizer", str(tmp_path), "--prompts", str(src), "--out",  # (its directory)
             str(out), "--max-tokens", "3", "--max-model-len", "64", "--chunk", "1"]
     lines = [{"prompt": "a b\u2028c"}, {"prompt": "one two"}, [5, 6]]
     src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
