@@ -39,7 +39,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -3073,7 +3072,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from tqdm import tqdm
     from model import build_model
-    from model.config import ConfigError, load_yaml
+    from model.config import ConfigError, load_yaml, write_denied
+    from model.tokenizer import tokenizer_file
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
     for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len", "ep"):
@@ -3093,16 +3093,15 @@ def main(argv=None):
             ap.error(f"--out {args.out}: a directory, not a file")
         if args.out.resolve() == args.prompts.resolve():
             ap.error(f"--out {args.out}: the prompts file itself")
-        try:  # before the weights load (minutes for a large checkpoint): the run writes beside --out
-            tempfile.NamedTemporaryFile(dir=args.out.resolve().parent, prefix=f".{args.out.name}.").close()
-        except OSError as e:
-            ap.error(f"--out {args.out}: cannot write in {args.out.resolve().parent} ({type(e).__name__}: {e})")
+        denied = write_denied(args.out.resolve().parent)  # before the weights load (minutes for a large checkpoint)
+        if denied:
+            ap.error(f"--out {args.out}: {denied}")
     elif args.resume:
         ap.error("--resume continues a --prompts/--out run, not --bench")
     elif args.engine == "paged" and args.prompt_len + args.max_tokens > (args.max_model_len or MAX_MODEL_LEN):
         ap.error(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} exceed --max-model-len "
                  f"{args.max_model_len or MAX_MODEL_LEN}")
-    if args.tokenizer and not (Path(args.tokenizer).is_file() or (Path(args.tokenizer) / "tokenizer.json").is_file()):
+    if args.tokenizer and not tokenizer_file(args.tokenizer).is_file():
         ap.error(f"--tokenizer {args.tokenizer}: " + ("no tokenizer.json in this directory"
                                                       if Path(args.tokenizer).is_dir() else "no such file"))
     yaml_model = args.model.endswith((".yaml", ".yml"))

@@ -58,7 +58,6 @@ import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -74,7 +73,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from model import ModelConfig, build_model, save_pretrained
-from model.config import ConfigError, build_section, closest, load_yaml, resolve_config
+from model.config import ConfigError, build_section, closest, load_yaml, resolve_config, write_denied
 from model.model import DTYPES, Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
                             make_actor_groups, reshard, sharded_actor)
@@ -1527,11 +1526,9 @@ def main(argv=None):
             out = out.parent
         if not out.is_dir():
             raise ConfigError(f"out_dir {cfg.out_dir}: {out} exists and is not a directory")
-        if rank == 0:  # the driver writes there (before the model is built: a checkpoint load takes minutes)
-            try:
-                tempfile.NamedTemporaryFile(dir=out, prefix=".write-check.").close()
-            except OSError as e:
-                raise ConfigError(f"out_dir {cfg.out_dir}: cannot write in {out} ({type(e).__name__}: {e})") from None
+        denied = write_denied(out) if rank == 0 else None  # the driver writes there (before the model is built)
+        if denied:
+            raise ConfigError(f"out_dir {cfg.out_dir}: {denied}")
         if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():
             raise ConfigError(f"--resume {args.resume}: not a complete checkpoint (no meta.json)")
         task, tok = make_task(cfg)

@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import numbers
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,6 +500,16 @@ def resolve_config(path: str | Path) -> Path:
     if not path.exists() and path.name == str(path) and (CONFIGS / path).is_file():
         return CONFIGS / path
     return path
+
+
+def write_denied(folder: Path) -> str | None:
+    """Why no file can be made in folder (a run's out_dir, the rollout CLI's --out), or None: a file is made and
+    removed there, the one test that holds for every cause (permissions, a read-only or special file system)."""
+    try:
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check.").close()
+    except OSError as e:
+        return f"cannot write in {folder} ({type(e).__name__}: {e})"
+    return None
 
 
 def load_yaml(path: str | Path, overrides: list[str] | tuple = ()) -> dict:

@@ -49,6 +49,12 @@ class CharTokenizer:
         return [self.bos_id] + self.encode(prompt)
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json a path names: the file itself, or the one in a directory (a checkpoint's, say)."""
+    path = Path(path)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
 class HFTokenizer:
     """A `tokenizer.json` (the `tokenizers` package) with a chat template given as a format string.
 
@@ -61,9 +67,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ImportError("a tokenizer.json needs the 'tokenizers' package: pip install '.[tokenizers]'") from None
-        path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.json"
+        path = tokenizer_file(path)
         if not path.exists():
             raise FileNotFoundError(f"{path}: tokenizer file not found")
         try:
