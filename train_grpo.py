@@ -273,11 +273,15 @@ SECTIONS = {"deploy": DeployConfig, "task": TaskConfig, "train": TrainConfig, "r
             "eval": EvalConfig, "ckpt": CkptConfig}
 
 
+# each section's keys (the model's too), for naming the section a misplaced key belongs to
+SECTION_KEYS = {name: frozenset(f.name for f in dataclasses.fields(sec))
+                for name, sec in {"model": ModelConfig, **SECTIONS}.items()}
+
+
 def _home(key: str, section: str = "") -> str:
     """' (rollout.temperature and eval.temperature take it)' for a key that is a field of other sections than
     `section`; '' where none has it."""
-    homes = [f"{name}.{key}" for name, sec in {"model": ModelConfig, **SECTIONS}.items()
-             if name != section and key in {f.name for f in dataclasses.fields(sec)}]
+    homes = [f"{name}.{key}" for name, keys in SECTION_KEYS.items() if name != section and key in keys]
     return f" ({' and '.join(homes)} {'takes' if len(homes) == 1 else 'take'} it)" if homes else ""
 
 
@@ -303,8 +307,7 @@ class RunConfig:
         for k in d:
             if k not in top:
                 raise ConfigError(f"{path}: {k}: unknown key{closest(k, top) or _home(k)}")
-        for name, sec in {"model": ModelConfig, **SECTIONS}.items():
-            mine = {f.name for f in dataclasses.fields(sec)}
+        for name, mine in SECTION_KEYS.items():
             sub = d.get(name)
             for k in sub if isinstance(sub, dict) else ():
                 if k not in mine and not closest(k, mine) and (home := _home(k, name)):  # in the wrong section
