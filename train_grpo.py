@@ -48,6 +48,7 @@ in one for deploy.timeout_s exits naming itself, the phase and the peers it wait
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -74,9 +75,9 @@ from tqdm import tqdm
 
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml, resolve_config, write_denied
-from model.model import DTYPES, Transformer, compile_fusions
-from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
-                            make_actor_groups, reshard, sharded_actor)
+from model.model import DTYPES, Experts, Transformer, compile_fusions
+from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, layout_rows,
+                            local, make_actor_groups, reshard, shard_rows, sharded_actor)
 from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -1030,6 +1031,14 @@ def _rng_state() -> dict:
     return st
 
 
+def shard_tensors(model: Transformer, opt: AdamW) -> dict:
+    """An actor rank's part of a checkpoint, on the host: its local shard of every stored tensor (model.<name>) and
+    its AdamW moments (optim.<parameter>.exp_avg, .exp_avg_sq)."""
+    out = {f"model.{k}": local(v).cpu().contiguous() for k, v in model.stored_state().items()}
+    out.update({f"optim.{k}": v.contiguous() for k, v in opt.state_tensors().items()})
+    return out
+
+
 def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pending=None):
     """Every actor rank's shards, then (rank 0) meta.json, under a temporary name renamed when complete. pending
     (off_policy_steps=1): the next step's first rollout round, collected (collect_round), generated with the
@@ -1045,8 +1054,7 @@ def save_checkpoint(actor: Actor, step: int, task, out: Path, cfg: RunConfig, pe
     # every actor rank writes its own shards: parameters (local FSDP shards of its experts and dense rows),
     # AdamW moments, RNG states
     tensors = {f"rng.{k}": v for k, v in _rng_state().items()}
-    tensors.update({f"model.{k}": local(v).cpu().contiguous() for k, v in actor.model.stored_state().items()})
-    tensors.update({f"optim.{k}": v.contiguous() for k, v in actor.opt.state_tensors().items()})
+    tensors.update(shard_tensors(actor.model, actor.opt))
     save_tensors(tensors, tmp / f"actor-rank{d.rank:05d}.safetensors")
     fault_point("ckpt")  # the recovery tests: a rank dies with the shards half written
     dist.barrier(group=d.actor_group)
@@ -1123,8 +1131,9 @@ def _older(path: Path) -> str:
 
 def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: int) -> dict:
     """Everything about a checkpoint that can be wrong, checked before the actor is built: meta.json, the layout
-    it was written with, the model config, and this rank's shard file (its header and size). Returns meta. A
-    damaged file's error names the newest complete checkpoint before this one, if any."""
+    it was written with, the model config, and the shard files this rank reads (their headers and sizes): its own,
+    or under another layout (n_actor, ep) every writer's. Returns meta. A damaged file's error names the newest
+    complete checkpoint before this one, if any."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         saved_model = meta["config"]["model"]
@@ -1134,27 +1143,90 @@ def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: in
         raise SystemExit(f"{path}: not a checkpoint (no meta.json)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path / 'meta.json'}: corrupt ({type(e).__name__}: {e}){_older(path)}") from None
-    if written != (n_actor, ep):
-        raise SystemExit(f"{path}: written by {written[0]} actor ranks with ep={written[1]}; this run has {n_actor} "
-                         f"with ep={ep} (shards are per rank)")
     bad = _diff(saved_model, dataclasses.asdict(cfg.model), "model")
     if bad:
         raise SystemExit(f"{path}: the checkpoint's model does not match the config: " + "; ".join(bad[:5]))
-    f = path / f"actor-rank{rank:05d}.safetensors"
-    if not f.exists():
-        raise SystemExit(f"{path}: missing {f.name}{_older(path)}")
-    try:  # parses the header and checks that the file holds every byte it declares
-        with safe_open(str(f), "pt") as h:
-            h.keys()
-    except Exception as e:
-        raise SystemExit(f"{f}: corrupt checkpoint shard ({type(e).__name__}: {e}){_older(path)}") from None
+    n_w, ep_w = written
+    if written == (n_actor, ep):
+        files = [rank]
+    elif n_w < 1 or ep_w < 1 or n_w % ep_w or cfg.model.n_routed_experts % ep_w:
+        raise SystemExit(f"{path / 'meta.json'}: corrupt (written by {n_w} actor ranks with ep={ep_w}, not a layout "
+                         f"of {cfg.model.n_routed_experts} experts){_older(path)}")
+    else:  # another layout: this rank reads its rows from whichever shards hold them (read_resharded)
+        files = range(n_w)
+    for i in files:
+        f = path / f"actor-rank{i:05d}.safetensors"
+        if not f.exists():
+            raise SystemExit(f"{path}: missing {f.name}{_older(path)}")
+        try:  # parses the header and checks that the file holds every byte it declares
+            with safe_open(str(f), "pt") as h:
+                h.keys()
+        except Exception as e:
+            raise SystemExit(f"{f}: corrupt checkpoint shard ({type(e).__name__}: {e}){_older(path)}") from None
     return meta
+
+
+def read_resharded(model: Transformer, opt: AdamW, path: Path, rank: int, n_w: int, ep_w: int) -> dict:
+    """This rank's checkpoint tensors, named as in its own shard file, from a checkpoint that n_w actor ranks wrote
+    under train.ep=ep_w. Each sharded tensor of a rank is one run of dim-0 rows of the tensor's full form (a
+    layer's experts stacked: layout_rows), so the rank reads just its rows, slice by slice, from the writers' files
+    that hold them; a tensor every rank holds whole, and the RNG states, come from writer rank % n_w."""
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    rows = {}  # stored name -> (rows of the full form, this rank's first, end, expert), None for one held whole
+    for k, t in model.stored_state().items():
+        mod = experts.get(k.rpartition(".")[0])
+        if mod is None and not hasattr(t, "device_mesh"):
+            rows[k] = None
+            continue
+        start, n = shard_rows(t)
+        off, full = (mod.expert_offset, model.cfg.n_routed_experts) if mod is not None else (0, t.shape[0])
+        rows[k] = (full, off + start, off + start + n, mod is not None)
+    holders = {f"model.{k}": (k, local(t)) for k, t in model.stored_state().items()}  # key -> (stored name, local)
+    for n, (m, _) in opt.state.items():
+        holders[f"optim.{n}.exp_avg"] = holders[f"optim.{n}.exp_avg_sq"] = (n, m)
+    own = rank % n_w
+    files = [path / f"actor-rank{i:05d}.safetensors" for i in range(n_w)]
+    out = {}
+    with contextlib.ExitStack() as stack:
+        h = [stack.enter_context(safe_open(str(f), "pt")) for f in files]
+        names = [set(x.keys()) for x in h]
+        out.update({k: h[own].get_tensor(k) for k in names[own] if k.startswith("rng.")})
+        for key, (name, t) in holders.items():
+            if rows[name] is None:  # pieces: (writer, the rows it holds, the rows of them to read)
+                pieces = [(own, t.shape[:1], slice(None))]
+            else:
+                full, lo, hi, expert = rows[name]
+                spans = [layout_rows(full, w, n_w, ep_w, expert) for w in range(n_w)]
+                pieces = [(w, [b - a], slice(max(a, lo) - a, min(b, hi) - a)) for w, (a, b) in
+                          sorted(enumerate(spans), key=lambda e: e[1]) if max(a, lo) < min(b, hi)]  # in row order
+            parts = [torch.empty((0, *t.shape[1:]), dtype=t.dtype)]  # (an empty shard: rows < ranks)
+            for w, held, sl in pieces:
+                if key not in names[w]:
+                    raise SystemExit(f"{files[w]}: missing tensor {key}")
+                shape = list(h[w].get_slice(key).get_shape())
+                if shape != [*held, *t.shape[1:]]:
+                    raise SystemExit(f"{files[w]}: {key} is {shape}; written by {n_w} actor ranks with ep={ep_w} it "
+                                     f"would be {[*held, *t.shape[1:]]}")
+                part = h[w].get_tensor(key) if t.dim() == 0 else h[w].get_slice(key)[sl]
+                if part.dtype != t.dtype:
+                    raise SystemExit(f"{files[w]}: {key} is {part.dtype}, this run expects {t.dtype}")
+                parts.append(part)
+            out[key] = parts[-1] if len(parts) == 2 else torch.cat(parts)
+    return out
 
 
 def load_checkpoint(actor: Actor, task, path: Path, meta: dict) -> int:
     d = actor.d
     f = path / f"actor-rank{d.rank:05d}.safetensors"
-    mine = load_file(str(f))
+    n_w, ep_w = int(meta["n_actor"]), int(meta.get("ep", 1))
+    if (n_w, ep_w) == (d.n_actor, d.mesh.ep):
+        mine = load_file(str(f))
+    else:
+        if d.rank == 0:
+            print(f"resuming from {path}: written by {n_w} actor ranks with train.ep={ep_w}, read by {d.n_actor} with "
+                  f"train.ep={d.mesh.ep} (each rank reads its rows from the shards that hold them)", flush=True)
+        f = path / "actor-rank*.safetensors"
+        mine = read_resharded(actor.model, actor.opt, path, d.rank, n_w, ep_w)
     want = {f"model.{k}": local(v) for k, v in actor.model.stored_state().items()}
     for n, (m, v) in actor.opt.state.items():
         want[f"optim.{n}.exp_avg"], want[f"optim.{n}.exp_avg_sq"] = m, v

@@ -173,6 +173,19 @@ def shard_rows(t: torch.Tensor) -> tuple[int, int]:
     return start, local(t).shape[0]
 
 
+def layout_rows(rows: int, rank: int, n: int, ep: int, expert: bool) -> tuple[int, int]:
+    """[start, end) of dim 0 of a tensor's full form (a layer's experts: all of them stacked) that actor rank `rank`
+    of n holds under expert parallelism ep, the layout sharded_actor gives: chunk_rows over the n ranks for a dense
+    tensor; for experts, the rank's EP slice (rank % ep) chunked over its n / ep expert-DP ranks (rank // ep)."""
+    off = 0
+    if expert:
+        rows //= ep
+        off, rank, n = (rank % ep) * rows, rank // ep, n // ep
+    size = chunk_rows(rows, n)
+    start = min(rank * size, rows)
+    return off + start, off + min(start + size, rows)
+
+
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout, chunk_rows), gathered with one
     all-gather on its mesh's group into padded chunks. The same values as t.full_tensor(), through the

@@ -2,6 +2,7 @@
 bad configs and bad data. The trial harness is tests/recovery.py; its 10-trial run is the slow test at the end."""
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -269,6 +270,7 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
     src = ref[0] / "checkpoints" / "step_000004"
     cfg = RunConfig.load("configs/tiny.yaml", recovery.SMALL)
     assert check_checkpoint(src, cfg, 1, 2, 1)["step"] == 4
+    assert check_checkpoint(src, cfg, 3, 4, 2)["step"] == 4  # another layout: read by resharding
 
     def broken(name, edit):
         d = tmp_path / name
@@ -283,7 +285,11 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
          "no_shard: missing actor-rank00001.safetensors"),
         (broken("cut_shard", lambda d: os.truncate(d / "actor-rank00001.safetensors", 5000)), cfg, 2,
          r"cut_shard/actor-rank00001.safetensors: corrupt checkpoint shard"),
-        (src, cfg, 4, r"written by 2 actor ranks with ep=1; this run has 4 with ep=1"),
+        (broken("bad_layout", lambda d: (d / "meta.json").write_text(
+            json.dumps(dict(json.loads((src / "meta.json").read_text()), n_actor=3, ep=2)))), cfg, 2,
+         r"bad_layout/meta.json: corrupt \(written by 3 actor ranks with ep=2, not a layout of 8 experts\)"),
+        (broken("no_shard0", lambda d: (d / "actor-rank00000.safetensors").unlink()), cfg, 3,
+         "no_shard0: missing actor-rank00000.safetensors"),  # another layout: every rank reads every writer's file
         (src, RunConfig.load("configs/tiny.yaml", ["model.moe_intermediate_size=48"]), 2,
          r"the checkpoint's model does not match the config: model.moe_intermediate_size: checkpoint \d+, config 48"),
     ]
@@ -309,6 +315,36 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
     (ck / "step_000001" / "actor-rank00001.safetensors").unlink()
     with pytest.raises(SystemExit, match=r"step_000001: missing actor-rank00001.safetensors$"):  # none before it
         check_checkpoint(ck / "step_000001", cfg, 1, 2, 1)
+
+
+def test_shards_read_under_another_layout_equal_that_layouts_own(tmp_path):
+    """train_grpo.read_resharded for every pair of 6 actor layouts (1-4 ranks, ep 1-4), tied embeddings or not:
+    the weights and moments each rank reads equal, bit for bit, what FSDP2 gives that rank (tests/reshard_check.py)."""
+    from tests.parallel_check import torchrun
+    r = torchrun("tests/reshard_check.py", 4, str(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+def test_resume_on_another_layout_goes_on_from_the_checkpoints_weights(ref, tmp_path):
+    """A checkpoint of 2 actor ranks resumed by 4 under train.ep=2, then by 1 (nodes added or lost): each rank reads
+    its rows from the shards that hold them. Resumed at its last step, the exported model is the uninterrupted run's bit for bit; its
+    metrics.jsonl keeps the steps before, and a step further trains on."""
+    out = tmp_path / "run"
+    shutil.copytree(ref[0] / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
+    shutil.copy(ref[0] / "metrics.jsonl", out / "metrics.jsonl")
+    log = finish(launch(out, STEPS, ["train.ep=2"], resume="auto", nproc=5))
+    assert ("written by 2 actor ranks with train.ep=1, read by 4 with train.ep=2" in log
+            and "nothing to train" in log), log[-3000:]
+    def final(d):
+        return {k: v for f in sorted((d / "final").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    want, got = final(ref[0]), final(out)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    log = finish(launch(out, STEPS + 1, resume="auto", nproc=2))  # one actor rank now
+    assert "written by 2 actor ranks with train.ep=1, read by 1 with train.ep=1" in log, log[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and math.isfinite(rows[-1]["loss"]), rows[-1]
+    assert complete_checkpoints(out)[-1] == 5
 
 
 @pytest.mark.parametrize("damage", ["dtype", "nan"])
