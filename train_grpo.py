@@ -76,8 +76,8 @@ from tqdm import tqdm
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml, resolve_config, write_denied
 from model.model import DTYPES, Experts, Transformer, compile_fusions
-from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, layout_rows,
-                            local, make_actor_groups, reshard, shard_rows, sharded_actor)
+from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
+                            make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
 from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -1192,13 +1192,9 @@ def read_resharded(model: Transformer, opt: AdamW, path: Path, rank: int, n_w: i
         names = [set(x.keys()) for x in h]
         out.update({k: h[own].get_tensor(k) for k in names[own] if k.startswith("rng.")})
         for key, (name, t) in holders.items():
-            if rows[name] is None:  # pieces: (writer, the rows it holds, the rows of them to read)
-                pieces = [(own, t.shape[:1], slice(None))]
-            else:
-                full, lo, hi, expert = rows[name]
-                spans = [layout_rows(full, w, n_w, ep_w, expert) for w in range(n_w)]
-                pieces = [(w, [b - a], slice(max(a, lo) - a, min(b, hi) - a)) for w, (a, b) in
-                          sorted(enumerate(spans), key=lambda e: e[1]) if max(a, lo) < min(b, hi)]  # in row order
+            # pieces: (writer, the rows it holds, the rows of them to read)
+            pieces = [(own, t.shape[:1], slice(None))] if rows[name] is None else \
+                [(w, [n], sl) for w, n, sl in row_pieces(*rows[name][:3], n_w, ep_w, rows[name][3])]
             parts = [torch.empty((0, *t.shape[1:]), dtype=t.dtype)]  # (an empty shard: rows < ranks)
             for w, held, sl in pieces:
                 if key not in names[w]:

@@ -186,6 +186,13 @@ def layout_rows(rows: int, rank: int, n: int, ep: int, expert: bool) -> tuple[in
     return off + start, off + min(start + size, rows)
 
 
+def row_pieces(rows: int, lo: int, hi: int, n: int, ep: int, expert: bool) -> list[tuple[int, int, slice]]:
+    """Where rows [lo, hi) of a tensor's full form (of `rows` rows) lie among the shards n actor ranks hold under
+    expert parallelism ep: (rank, the rows its shard has, the slice of them wanted), in row order."""
+    spans = sorted(enumerate(layout_rows(rows, w, n, ep, expert) for w in range(n)), key=lambda e: e[1])
+    return [(w, b - a, slice(max(a, lo) - a, min(b, hi) - a)) for w, (a, b) in spans if max(a, lo) < min(b, hi)]
+
+
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The full tensor of a DTensor sharded along dim 0 (FSDP2's layout, chunk_rows), gathered with one
     all-gather on its mesh's group into padded chunks. The same values as t.full_tensor(), through the

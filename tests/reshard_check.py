@@ -1,6 +1,7 @@
 """Run under torchrun (gloo, 4 ranks): checkpoint shards written under one actor layout (n actor ranks, train.ep)
 and read under another by train_grpo.read_resharded must hold what the reading layout's own shards hold, bit for
-bit: every weight and both AdamW moments, for every pair of layouts below, untied and tied embeddings.
+bit: every weight and both AdamW moments, for every pair of layouts below, untied and tied embeddings; and
+model.export's reader must give back the full tensors from each layout's shards.
 
     torchrun --standalone --nproc-per-node 4 tests/reshard_check.py DIR
 
@@ -8,6 +9,7 @@ The expected shards come from FSDP2 itself (copy_full_state of the same full ten
 model), not from layout_rows. tiny.yaml's tensors split unevenly over 3 and 4 ranks and leave some ranks empty.
 Exits non-zero on a mismatch.
 """
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
+from model.export import checkpoint_config, checkpoint_tensors  # noqa: E402
 from model.parallel import AdamW, copy_full_state, local, make_actor_groups, sharded_actor  # noqa: E402
 from model.weights import save_tensors  # noqa: E402
 from tests.parallel_check import init_rank  # noqa: E402
@@ -53,7 +56,16 @@ def main():
             save_tensors({"rng.torch": torch.tensor([rank], dtype=torch.uint8), **held},
                          d / f"actor-rank{rank:05d}.safetensors")
             shards[n, ep] = model, opt, held
+            if rank == 0:  # what model.export reads besides the shards
+                (d / "meta.json").write_text(json.dumps({"n_actor": n, "ep": ep, "config": {"model": cfg.to_dict()}}))
         dist.barrier()
+        if rank == 0:  # model.export: every layout's shards back to the full tensors
+            for n, ep in LAYOUTS:
+                d = root / f"{'tied' if tied else 'untied'}-{n}x{ep}"
+                got = dict(checkpoint_tensors(d, *checkpoint_config(d)))
+                errors += [f"export of {d.name}: {k}" for k, v in got.items() if not torch.equal(v, full[k])]
+                if len(got) != len(full) - tied:
+                    errors.append(f"export of {d.name}: {len(got)} tensors")
         for (n, ep), (model, opt, want) in shards.items():
             for n_w, ep_w in LAYOUTS:
                 if (n_w, ep_w) == (n, ep):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.export import main as export_main
 from tests import recovery
 from tests.recovery import comparable, complete_checkpoints, finish, kill_run, launch, metrics, run_trial
 import train_grpo
@@ -319,7 +320,8 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
 
 def test_shards_read_under_another_layout_equal_that_layouts_own(tmp_path):
     """train_grpo.read_resharded for every pair of 6 actor layouts (1-4 ranks, ep 1-4), tied embeddings or not:
-    the weights and moments each rank reads equal, bit for bit, what FSDP2 gives that rank (tests/reshard_check.py)."""
+    the weights and moments each rank reads equal, bit for bit, what FSDP2 gives that rank, and model.export's reader
+    gives back the full tensors from each layout's shards (tests/reshard_check.py)."""
     from tests.parallel_check import torchrun
     r = torchrun("tests/reshard_check.py", 4, str(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -335,9 +337,7 @@ def test_resume_on_another_layout_goes_on_from_the_checkpoints_weights(ref, tmp_
     log = finish(launch(out, STEPS, ["train.ep=2"], resume="auto", nproc=5))
     assert ("written by 2 actor ranks with train.ep=1, read by 4 with train.ep=2" in log
             and "nothing to train" in log), log[-3000:]
-    def final(d):
-        return {k: v for f in sorted((d / "final").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-    want, got = final(ref[0]), final(out)
+    want, got = release(ref[0] / "final"), release(out / "final")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
     log = finish(launch(out, STEPS + 1, resume="auto", nproc=2))  # one actor rank now
@@ -345,6 +345,44 @@ def test_resume_on_another_layout_goes_on_from_the_checkpoints_weights(ref, tmp_
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and math.isfinite(rows[-1]["loss"]), rows[-1]
     assert complete_checkpoints(out)[-1] == 5
+    export_main([str(out / "checkpoints" / "step_000005"), str(tmp_path / "step5")])  # written by 1 rank
+    want, got = release(out / "final"), release(tmp_path / "step5")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def release(d: Path) -> dict:
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_a_checkpoint_exports_offline_as_the_run_exported_it(ref, tmp_path, capsys, locked_dir):
+    """python -m model.export: a 2-rank training checkpoint as a release, in one process, equal bit for bit (and in
+    config.json) to what the run wrote to final/ at that step; FP8 too; bad arguments named before any writing."""
+    from model import load_pretrained
+    src = ref[0] / "checkpoints" / "step_000004"
+    export_main([str(src), str(tmp_path / "bf16")])
+    want, got = release(ref[0] / "final"), release(tmp_path / "bf16")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text()) == json.loads(
+        (ref[0] / "final" / "config.json").read_text())
+    assert "written by 2 actor ranks with ep=1" in capsys.readouterr().out
+    export_main([str(src), str(tmp_path / "fp8"), "--fp8"])
+    ids = torch.tensor([[1, 5, 7, 3, 4, 11]])
+    with torch.no_grad():
+        a = load_pretrained(tmp_path / "fp8", progress=False)(ids)
+        b = load_pretrained(tmp_path / "bf16", progress=False)(ids)
+    assert (a - b).abs().max() < 0.1 * b.abs().max()
+    cut = tmp_path / "cut"
+    shutil.copytree(src, cut)
+    (cut / "actor-rank00001.safetensors").unlink()
+    for args, said in [([str(ref[0]), str(tmp_path / "x")], r"not a training checkpoint \(no meta.json\); it holds 2 "
+                        r"complete checkpoint\(s\), the newest .*/step_000004$"),
+                       ([str(ref[0] / "final"), str(tmp_path / "x")], r"config.json without meta.json: a release"),
+                       ([str(cut), str(tmp_path / "x")], r"cut: missing actor-rank00001.safetensors"),
+                       ([str(src), str(src)], r"the checkpoint itself"),
+                       ([str(src), str(locked_dir / "x")], r"cannot write in")]:
+        with pytest.raises(SystemExit, match=said):
+            export_main(args)
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("damage", ["dtype", "nan"])
