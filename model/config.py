@@ -412,6 +412,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     f = path / "config.json" if path.is_dir() else path
     if not f.exists():
+        if (f.parent / "meta.json").exists() and any(f.parent.glob("actor-rank*.safetensors")):
+            raise FileNotFoundError(f"{f.parent}: a training checkpoint (meta.json and actor shards), not a model "
+                                    f"directory; python -m model.export {f.parent} OUT writes it as one")
         raise FileNotFoundError(f"{f}: no config.json")
     try:
         d = strict_json(f.read_text())

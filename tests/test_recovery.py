@@ -383,6 +383,9 @@ def test_a_checkpoint_exports_offline_as_the_run_exported_it(ref, tmp_path, caps
         with pytest.raises(SystemExit, match=said):
             export_main(args)
     assert not (tmp_path / "x").exists()
+    with pytest.raises(FileNotFoundError, match=r"step_000004: a training checkpoint \(meta.json and actor shards\), "
+                                                r"not a model directory; python -m model.export .*step_000004 OUT"):
+        load_pretrained(src)  # (and so Engine, rollout_server.py --model, model.score, init_from)
 
 
 @pytest.mark.parametrize("damage", ["dtype", "nan"])
