@@ -42,8 +42,9 @@ The algorithm, every choice named (defaults in TrainConfig):
 
 Failure handling: checkpoints are complete or absent (per-rank shards written into a temporary directory that
 is renamed once every shard and meta.json are on disk); `--resume auto` continues from the newest one with the
-same metrics as an uninterrupted run; every blocking wait runs in a named phase and a rank that makes no progress
-in one for deploy.timeout_s exits naming itself, the phase and the peers it waits on (rollout_server.WATCHDOG).
+same metrics as an uninterrupted run (or, on another number of actor ranks or train.ep, from the same state:
+read_resharded); every blocking wait runs in a named phase and a rank that makes no progress in one for
+deploy.timeout_s exits naming itself, the phase and the peers it waits on (rollout_server.WATCHDOG).
 """
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ from tqdm import tqdm
 from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml, resolve_config, write_denied
 from model.model import DTYPES, Experts, Transformer, compile_fusions
-from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state, local,
-                            make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
+from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state,
+                            layout_error, local, make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
 from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -1149,9 +1150,9 @@ def check_checkpoint(path: Path, cfg: RunConfig, rank: int, n_actor: int, ep: in
     n_w, ep_w = written
     if written == (n_actor, ep):
         files = [rank]
-    elif n_w < 1 or ep_w < 1 or n_w % ep_w or cfg.model.n_routed_experts % ep_w:
-        raise SystemExit(f"{path / 'meta.json'}: corrupt (written by {n_w} actor ranks with ep={ep_w}, not a layout "
-                         f"of {cfg.model.n_routed_experts} experts){_older(path)}")
+    elif layout_error(n_w, ep_w, cfg.model.n_routed_experts):
+        raise SystemExit(f"{path / 'meta.json'}: corrupt ({layout_error(n_w, ep_w, cfg.model.n_routed_experts)})"
+                         f"{_older(path)}")
     else:  # another layout: this rank reads its rows from whichever shards hold them (read_resharded)
         files = range(n_w)
     for i in files:

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig, write_denied
 from .model import DTYPES, Experts, Transformer
-from .parallel import row_pieces
+from .parallel import layout_error, row_pieces
 from .weights import WeightError, release_tensors, save_pretrained
 
 
@@ -47,9 +47,9 @@ def checkpoint_config(path: Path) -> tuple[ModelConfig, int, int]:
         raise WeightError(f"{path}: not a training checkpoint (no meta.json){_hint(path)}") from None
     except (ValueError, KeyError, TypeError, ConfigError, OSError) as e:
         raise WeightError(f"{path / 'meta.json'}: corrupt ({type(e).__name__}: {e})") from None
-    if n_w < 1 or ep < 1 or n_w % ep or cfg.n_routed_experts % ep:
-        raise WeightError(f"{path / 'meta.json'}: corrupt (written by {n_w} actor ranks with ep={ep}, not a layout "
-                          f"of {cfg.n_routed_experts} experts)")
+    bad = layout_error(n_w, ep, cfg.n_routed_experts)
+    if bad:
+        raise WeightError(f"{path / 'meta.json'}: corrupt ({bad})")
     return cfg, n_w, ep
 
 

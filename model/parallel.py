@@ -186,6 +186,13 @@ def layout_rows(rows: int, rank: int, n: int, ep: int, expert: bool) -> tuple[in
     return off + start, off + min(start + size, rows)
 
 
+def layout_error(n: int, ep: int, n_experts: int) -> str | None:
+    """Why (n actor ranks, ep) is no layout of n_experts routed experts, or None."""
+    if n < 1 or ep < 1 or n % ep or n_experts % ep:
+        return f"written by {n} actor ranks with ep={ep}, not a layout of {n_experts} experts"
+    return None
+
+
 def row_pieces(rows: int, lo: int, hi: int, n: int, ep: int, expert: bool) -> list[tuple[int, int, slice]]:
     """Where rows [lo, hi) of a tensor's full form (of `rows` rows) lie among the shards n actor ranks hold under
     expert parallelism ep: (rank, the rows its shard has, the slice of them wanted), in row order."""

@@ -46,9 +46,9 @@ def main():
             opt = AdamW(model.named_parameters(), lr=1e-3)
             for i, m in enumerate(moments):  # the moments' shards: full tensors laid out by FSDP2 as the weights are
                 copy_full_state(model, m.items())
-                held = model.state_dict()
+                laid_out = model.state_dict()
                 for name in opt.state:
-                    opt.state[name][i].copy_(local(held[name]))
+                    opt.state[name][i].copy_(local(laid_out[name]))
             copy_full_state(model, full.items())
             held = shard_tensors(model, opt)
             d = root / f"{'tied' if tied else 'untied'}-{n}x{ep}"
