@@ -319,7 +319,7 @@ def test_bad_checkpoints_are_refused_naming_the_file(ref, tmp_path):
 
 
 def test_shards_read_under_another_layout_equal_that_layouts_own(tmp_path):
-    """train_grpo.read_resharded for every pair of 6 actor layouts (1-4 ranks, ep 1-4), tied embeddings or not:
+    """train_grpo.read_resharded for every pair of 6 actor layouts (1-4 ranks, ep 1-4; 3 with tied embeddings):
     the weights and moments each rank reads equal, bit for bit, what FSDP2 gives that rank, and model.export's reader
     gives back the full tensors from each layout's shards (tests/reshard_check.py)."""
     from tests.parallel_check import torchrun
