@@ -39,7 +39,7 @@ def main():
         g = torch.Generator().manual_seed(1)
         moments = [{k: torch.randn(v.shape, generator=g).abs() * s for k, v in full.items()} for s in (0.1, 1e-3)]
         shards = {}  # layout -> (model, optimizer, what this rank's checkpoint file holds)
-        for n, ep in LAYOUTS[tied]:  # every rank creates every layout's groups (a collective); ranks past n hold nothing
+        for n, ep in LAYOUTS[tied]:  # every rank makes every layout's groups (a collective); ranks past n hold none
             mesh = make_actor_groups(n, ep, dev.type)
             if mesh is None:
                 continue

@@ -329,8 +329,8 @@ def test_shards_read_under_another_layout_equal_that_layouts_own(tmp_path):
 
 def test_resume_on_another_layout_goes_on_from_the_checkpoints_weights(ref, tmp_path):
     """A checkpoint of 2 actor ranks resumed by 4 under train.ep=2, then by 1 (nodes added or lost): each rank reads
-    its rows from the shards that hold them. Resumed at its last step, the exported model is the uninterrupted run's bit for bit; its
-    metrics.jsonl keeps the steps before, and a step further trains on."""
+    its rows from the shards that hold them. Resumed at its last step, the exported model is the uninterrupted run's
+    bit for bit; its metrics.jsonl keeps the steps before, and a step further trains on."""
     out = tmp_path / "run"
     shutil.copytree(ref[0] / "checkpoints" / "step_000004", out / "checkpoints" / "step_000004")
     shutil.copy(ref[0] / "metrics.jsonl", out / "metrics.jsonl")
