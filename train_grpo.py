@@ -1593,12 +1593,8 @@ def main(argv=None):
                 cfg.validate_world(int(os.environ["WORLD_SIZE"]))
             except ConfigError as e:
                 raise ConfigError(f"{args.config}: {e}") from None
-        out = Path(cfg.out_dir)
-        while not out.exists() and out.parent != out:  # the nearest existing folder must be one
-            out = out.parent
-        if not out.is_dir():
-            raise ConfigError(f"out_dir {cfg.out_dir}: {out} exists and is not a directory")
-        denied = write_denied(out) if rank == 0 else None  # the driver writes there (before the model is built)
+        # every rank checks the path; the driver, which writes there, also makes a file (before the model is built)
+        denied = write_denied(Path(cfg.out_dir), probe=rank == 0)
         if denied:
             raise ConfigError(f"out_dir {cfg.out_dir}: {denied}")
         if args.resume not in ("", "auto", "none") and not (Path(args.resume) / "meta.json").exists():

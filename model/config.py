@@ -505,9 +505,18 @@ def resolve_config(path: str | Path) -> Path:
     return path
 
 
-def write_denied(folder: Path) -> str | None:
-    """Why no file can be made in folder (a run's out_dir, the rollout CLI's --out), or None: a file is made and
-    removed there, the one test that holds for every cause (permissions, a read-only or special file system)."""
+def write_denied(path: Path, probe: bool = True) -> str | None:
+    """Why no file can be made in folder `path` (a run's out_dir, the rollout CLI's --out folder, an export's
+    directory), or None. A path not made yet is judged by the nearest folder above it that exists, where making it
+    starts; that must be a folder. probe: a file is then made and removed there, the one test that holds for every
+    cause (permissions, a read-only or special file system)."""
+    folder = Path(path)
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} exists and is not a directory"
+    if not probe:
+        return None
     try:
         tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check.").close()
     except OSError as e:

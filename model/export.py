@@ -115,8 +115,7 @@ def main(argv=None):
         raise SystemExit(f"{args.out}: the checkpoint itself; name another directory")
     try:
         cfg, n_w, ep = checkpoint_config(args.checkpoint)
-        parent = next(p for p in (args.out, *args.out.parents) if p.exists())
-        denied = write_denied(parent) if parent.is_dir() else f"{parent} is a file"
+        denied = write_denied(args.out)
         if denied:
             raise SystemExit(f"{args.out}: {denied}")
         print(f"{args.checkpoint}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, written by {n_w} "
