@@ -83,3 +83,24 @@ def test_mini_fits_its_two_gpus():
     assert p["fits"], p
     p = plan(RunConfig.load("configs/mini.yaml", ["rollout.max_model_len=4096"]))
     assert not p["fits_actor"] and p["fits_rollout"], p
+
+
+def test_gpu_runs_print_the_plan_against_their_gpus():
+    """train_grpo prints, on rank 0 of a GPU run, the plan of its world against the smallest GPU of each role:
+    one line when it fits, a warning naming the roles over it and their largest terms when not."""
+    from train_grpo import memory_plan_line
+    run = RunConfig.load("configs/mini.yaml", ["deploy.world_size=0"])
+    assert memory_plan_line(run, 2, 141e9, 141e9) == \
+        "memory plan: actor rank 112.7 GB of its GPU's 133.9 usable; rollout rank 7.1 GB of its GPU's 133.9 usable"
+    line = memory_plan_line(run, 2, 80e9, 141e9)  # the world it ran in, not deploy.world_size (here 0)
+    assert line.startswith("warning: memory plan: actor rank 112.7 GB of its GPU's 76.0 usable") and \
+        "over the plan for the actor rank (largest: activations 49.9 GB, optimizer (AdamW moments) 26.0 GB" in line \
+        and "rollout rank (" not in line and "deploy.world_size=2 deploy.gpu_memory_gb=80 " in line, line
+    # the rollout rank: over with its weights and buffers, a warning; over with its pools alone, the engine sizes
+    # them to what is free (no warning); more actor ranks shrink the actor's share
+    line = memory_plan_line(run, 5, 141e9, 4e9)
+    assert "actor rank 73.7 GB" in line and "over the plan for the rollout rank (largest: routed experts 2.4 GB, " \
+        "cache pools 2.2 GB" in line and "actor rank (" not in line and "gpu_memory_gb=4 " in line, line
+    assert memory_plan_line(run, 5, 141e9, 6e9) == "memory plan: actor rank 73.7 GB of its GPU's 133.9 usable; " \
+        "rollout rank 7.1 GB of its GPU's 5.7 usable (the engine's cache pools get what is left, less than their " \
+        "planned full size)"
