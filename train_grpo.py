@@ -502,9 +502,9 @@ def init_dist(cfg: RunConfig) -> Dist:
 
 
 def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes: int) -> str:
-    """model.plan's per-rank bytes for this world (deploy.world_size, deploy.gpu_memory_gb set from the launch)
-    against the smallest GPU of each role, 95% of it usable as the planner counts: one line, a warning naming the
-    role and its largest terms where the plan is over. The plan is an estimate (its terms are added as if they
+    """model.plan's per-rank bytes for the world of this launch (not deploy.world_size) against the smallest GPU of
+    each role, 95% of it usable as the planner counts: one line, a warning naming the role and its largest terms
+    where the plan is over. The plan is an estimate (its terms are added as if they
     peaked together: mini.yaml's actor planned 1.12-1.17x of the peak measured), so over it is a warning."""
     from model.plan import GB, plan
     run = dataclasses.replace(cfg, deploy=dataclasses.replace(cfg.deploy, world_size=world))
@@ -527,7 +527,7 @@ def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes
             f"deploy.gpu_memory_gb={over[0][0] / GB:.0f} lists every term)")
 
 
-def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig | None = None):
+def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig):
     """On a multi-host run the rollout ranks must have a host of their own (its memory is for the KV cache);
     say so on rank 0 when they share one with actor ranks. On GPUs rank 0 also prints the memory plan of this
     world against the smallest GPU of each role (memory_plan_line)."""
@@ -544,7 +544,7 @@ def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig 
     if rank == 0:
         print(f"roles: actor ranks 0-{n_actor - 1} on nodes {sorted(set(nodes[:n_actor]))}, rollout ranks "
               f"{n_actor}-{world - 1} on nodes {sorted(set(nodes[n_actor:]))}", flush=True)
-        if cfg is not None and min(mems) > 0:
+        if min(mems) > 0:
             print(memory_plan_line(cfg, world, min(mems[:n_actor]), min(mems[n_actor:])), flush=True)
     actor_hosts, rollout_hosts = set(hosts[:n_actor]), set(hosts[n_actor:])
     if rank == 0 and len(set(hosts)) > 1 and actor_hosts & rollout_hosts:
