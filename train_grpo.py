@@ -501,51 +501,69 @@ def init_dist(cfg: RunConfig) -> Dist:
     return Dist(rank, world, n_actor, device, mesh, sync_group, rollout_ep)
 
 
-def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes: int) -> str:
+def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes: int, host_bytes: int = 0,
+                     actors_per_host: int = 1) -> str:
     """model.plan's per-rank bytes for the world of this launch (not deploy.world_size) against the smallest GPU of
-    each role, 95% of it usable as the planner counts: one line, a warning naming the role and its largest terms
-    where the plan is over. The plan is an estimate (its terms are added as if they
-    peaked together: mini.yaml's actor planned 1.12-1.17x of the peak measured), so over it is a warning."""
+    each role, 95% of it usable as the planner counts, and its host term (AdamW moments offloaded) against the
+    smallest actor host's memory (host_bytes; 0: not checked), 90% usable, for the most actor ranks one host holds:
+    one line, a warning naming the role and its largest terms where the plan is over. The plan is an estimate (its
+    terms are added as if they peaked together: mini.yaml's actor planned 1.12-1.17x of the peak measured), so over
+    it is a warning."""
     from model.plan import GB, plan
-    run = dataclasses.replace(cfg, deploy=dataclasses.replace(cfg.deploy, world_size=world))
+    run = dataclasses.replace(cfg, deploy=dataclasses.replace(cfg.deploy, world_size=world,
+                                                              gpus_per_node=actors_per_host))
     p = plan(run)
     parts, over = [], []
-    for role, have in (("actor", actor_bytes), ("rollout", rollout_bytes)):
+    for role, have, usable in (("actor", actor_bytes, 0.95), ("rollout", rollout_bytes, 0.95),
+                               ("host", host_bytes, 0.9)):
         need = sum(p[role].values())
-        parts.append(f"{role} rank {need / GB:.1f} GB of its GPU's {0.95 * have / GB:.1f} usable")
+        if role == "host" and not (have and need):
+            continue
+        parts.append(f"{role} rank {need / GB:.1f} GB of its GPU's {usable * have / GB:.1f} usable" if role != "host"
+                     else f"actor host {need / GB:.1f} GB of its {usable * have / GB:.1f} usable")
         pools = p[role].get("cache pools", 0.0)  # the engine sizes its pools to what is free: fewer blocks, no error
-        if need > 0.95 * have and need - pools <= 0.95 * have:
+        if need > usable * have and need - pools <= usable * have:
             parts[-1] += " (the engine's cache pools get what is left, less than their planned full size)"
-        if need - pools > 0.95 * have:
+        if need - pools > usable * have:
             top = sorted(p[role].items(), key=lambda kv: -kv[1])[:3]
-            over.append((have, f"{role} rank (largest: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top) + ")"))
+            what = f"{role} rank" if role != "host" else "actor host"
+            over.append((role, have, f"{what} (largest: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top) + ")"))
     line = "memory plan: " + "; ".join(parts)
     if not over:
         return line
-    return (f"warning: {line}: over the plan for the {' and the '.join(o for _, o in over)}; expect out-of-memory "
+    sizes = " ".join(f"deploy.gpus_per_node={actors_per_host} deploy.host_memory_gb={h / GB:.0f}" if r == "host"
+                     else f"deploy.gpu_memory_gb={h / GB:.0f}"
+                     for r, h, _ in [o for o in over if o[0] != "host"][:1] + [o for o in over if o[0] == "host"])
+    return (f"warning: {line}: over the plan for the {' and the '.join(o for *_, o in over)}; expect out-of-memory "
             f"errors (python -m model.plan --config <this run's config and overrides> deploy.world_size={world} "
-            f"deploy.gpu_memory_gb={over[0][0] / GB:.0f} lists every term)")
+            f"{sizes} lists every term)")
 
 
 def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig):
     """On a multi-host run the rollout ranks must have a host of their own (its memory is for the KV cache);
     say so on rank 0 when they share one with actor ranks. On GPUs rank 0 also prints the memory plan of this
-    world against the smallest GPU of each role (memory_plan_line)."""
-    name = torch.zeros(72, dtype=torch.uint8)
+    world against the smallest GPU of each role and the smallest actor host (memory_plan_line)."""
+    name = torch.zeros(80, dtype=torch.uint8)
     host = f"{os.environ.get('GROUP_RANK', '0')}:{socket.gethostname()}".encode()[:64]
     name[:len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
     mem = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    name[64:] = torch.tensor([mem], dtype=torch.int64).view(torch.uint8)
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not on this OS: the host term is not checked
+        ram = 0
+    name[64:] = torch.tensor([mem, ram], dtype=torch.int64).view(torch.uint8)
     names = [torch.zeros_like(name).to(device) for _ in range(world)]
     dist.all_gather(names, name.to(device))
     names = [n.cpu() for n in names]
     nodes, hosts = zip(*(n[:64].numpy().tobytes().rstrip(b"\0").decode().split(":", 1) for n in names))
-    mems = [int(n[64:].view(torch.int64)) for n in names]
+    mems, rams = zip(*(n[64:].view(torch.int64).tolist() for n in names))
     if rank == 0:
         print(f"roles: actor ranks 0-{n_actor - 1} on nodes {sorted(set(nodes[:n_actor]))}, rollout ranks "
               f"{n_actor}-{world - 1} on nodes {sorted(set(nodes[n_actor:]))}", flush=True)
         if min(mems) > 0:
-            print(memory_plan_line(cfg, world, min(mems[:n_actor]), min(mems[n_actor:])), flush=True)
+            per_host = max(hosts[:n_actor].count(h) for h in hosts[:n_actor])
+            print(memory_plan_line(cfg, world, min(mems[:n_actor]), min(mems[n_actor:]), min(rams[:n_actor]),
+                                   per_host), flush=True)
     actor_hosts, rollout_hosts = set(hosts[:n_actor]), set(hosts[n_actor:])
     if rank == 0 and len(set(hosts)) > 1 and actor_hosts & rollout_hosts:
         print(f"warning: rollout ranks share hosts {sorted(actor_hosts & rollout_hosts)} with actor ranks; launch with "

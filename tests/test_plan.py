@@ -86,8 +86,9 @@ def test_mini_fits_its_two_gpus():
 
 
 def test_gpu_runs_print_the_plan_against_their_gpus():
-    """train_grpo prints, on rank 0 of a GPU run, the plan of its world against the smallest GPU of each role:
-    one line when it fits, a warning naming the roles over it and their largest terms when not."""
+    """train_grpo prints, on rank 0 of a GPU run, the plan of its world against the smallest GPU of each role and
+    the smallest actor host: one line when it fits, a warning naming the roles over it and their largest terms when
+    not."""
     from train_grpo import memory_plan_line
     run = RunConfig.load("configs/mini.yaml", ["deploy.world_size=0"])
     assert memory_plan_line(run, 2, 141e9, 141e9) == \
@@ -104,3 +105,12 @@ def test_gpu_runs_print_the_plan_against_their_gpus():
     assert memory_plan_line(run, 5, 141e9, 6e9) == "memory plan: actor rank 73.7 GB of its GPU's 133.9 usable; " \
         "rollout rank 7.1 GB of its GPU's 5.7 usable (the engine's cache pools get what is left, less than their " \
         "planned full size)"
+    # the host term (AdamW moments offloaded, dsv4.yaml) for the most actor ranks a host holds
+    run = RunConfig.load("configs/dsv4.yaml", [])
+    assert memory_plan_line(run, 24, 192e9, 192e9, 2048e9, 8).endswith("actor host 1137.3 GB of its 1843.2 usable")
+    line = memory_plan_line(run, 24, 141e9, 192e9, 1024e9, 8)
+    assert "over the plan for the actor rank (largest: params (fp32 master) 71.1 GB" in line and "and the actor " \
+        "host (largest: actor node: AdamW moments 1137.3 GB)" in line and "deploy.world_size=24 deploy.gpu_memory_gb" \
+        "=141 deploy.gpus_per_node=8 deploy.host_memory_gb=1024 lists" in line, line
+    assert memory_plan_line(run, 24, 192e9, 192e9, 1024e9, 4).endswith("actor host 568.7 GB of its 921.6 usable")
+    assert "actor host" not in memory_plan_line(run, 24, 192e9, 192e9)  # the host's memory unknown
