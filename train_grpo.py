@@ -519,24 +519,25 @@ def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes
         need = sum(p[role].values())
         if role == "host" and not (have and need):
             continue
-        parts.append(f"{role} rank {need / GB:.1f} GB of its GPU's {usable * have / GB:.1f} usable" if role != "host"
-                     else f"actor host {need / GB:.1f} GB of its {usable * have / GB:.1f} usable")
+        name, its = ("actor host", "its") if role == "host" else (f"{role} rank", "its GPU's")
+        parts.append(f"{name} {need / GB:.1f} GB of {its} {usable * have / GB:.1f} usable")
         pools = p[role].get("cache pools", 0.0)  # the engine sizes its pools to what is free: fewer blocks, no error
         if need > usable * have and need - pools <= usable * have:
             parts[-1] += " (the engine's cache pools get what is left, less than their planned full size)"
         if need - pools > usable * have:
             top = sorted(p[role].items(), key=lambda kv: -kv[1])[:3]
-            what = f"{role} rank" if role != "host" else "actor host"
-            over.append((role, have, f"{what} (largest: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top) + ")"))
+            over.append((role, have, f"{name} (largest: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top) + ")"))
     line = "memory plan: " + "; ".join(parts)
     if not over:
         return line
-    sizes = " ".join(f"deploy.gpus_per_node={actors_per_host} deploy.host_memory_gb={h / GB:.0f}" if r == "host"
-                     else f"deploy.gpu_memory_gb={h / GB:.0f}"
-                     for r, h, _ in [o for o in over if o[0] != "host"][:1] + [o for o in over if o[0] == "host"])
+    hint = [f"deploy.world_size={world}"]
+    gpu = [have for role, have, _ in over if role != "host"]
+    hint += [f"deploy.gpu_memory_gb={gpu[0] / GB:.0f}"] if gpu else []
+    hint += [f"deploy.gpus_per_node={actors_per_host}", f"deploy.host_memory_gb={host_bytes / GB:.0f}"] \
+        if over[-1][0] == "host" else []
     return (f"warning: {line}: over the plan for the {' and the '.join(o for *_, o in over)}; expect out-of-memory "
-            f"errors (python -m model.plan --config <this run's config and overrides> deploy.world_size={world} "
-            f"{sizes} lists every term)")
+            f"errors (python -m model.plan --config <this run's config and overrides> {' '.join(hint)} lists every "
+            f"term)")
 
 
 def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig):
