@@ -2508,12 +2508,14 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
             fault_point("generate")
             with phase(f"generation ({len(prompts)} prompts)"):
                 t0 = time.perf_counter()
+                before = getattr(engine, "stats", {}).get("preemptions", 0)  # (the simple engine never preempts)
                 # sequence i of the whole request samples with (seed, i) whichever group generates it
                 outs = engine.generate(prompts, params, first_index=meta.get("first_index", 0))
                 gen_s = time.perf_counter() - t0
             if reply:
                 m, ts = _pack_outputs(outs)
                 m["gen_s"] = gen_s
+                m["preemptions"] = getattr(engine, "stats", {}).get("preemptions", 0) - before
                 send_msg(m, ts, driver, device)
         elif cmd == "sync":
             with phase("weight sync", f"rank {driver}, the driver"):
@@ -2693,6 +2695,7 @@ class RolloutClient:
         self.next_ticket = 0
         self.packers: dict = {}  # graphs key -> GraphPacker
         self.last_gen_s = 0.0
+        self.last_preemptions = 0
 
     def _expect(self, rank: int) -> int:
         self.next_ticket += 1
@@ -2726,11 +2729,13 @@ class RolloutClient:
 
     def collect(self, handle) -> list[Output]:
         """The outputs of a submitted request, in prompt order. self.last_gen_s: the longest time one rollout
-        group spent generating its share (the groups generate at the same time)."""
-        outs, self.last_gen_s = [], 0.0
+        group spent generating its share (the groups generate at the same time); self.last_preemptions: the
+        sequences the groups' engines preempted (their cache pools full) and recomputed."""
+        outs, self.last_gen_s, self.last_preemptions = [], 0.0, 0
         for r, ticket, prompts in handle:
             meta, t = self._reply(r, ticket)
             self.last_gen_s = max(self.last_gen_s, meta.get("gen_s", 0.0))
+            self.last_preemptions += meta.get("preemptions", 0)
             tok, lp, rt = t["tokens"].cpu().tolist(), t["logprobs"].cpu().tolist(), t["routing"].cpu()
             o = ro = 0
             for p, n, nr, fin in zip(prompts, meta["lengths"], meta["routing_lengths"], meta["finish"]):

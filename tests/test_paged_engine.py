@@ -1200,3 +1200,45 @@ def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep, m
                            b[k].view(torch.uint8) if b[k].dtype == fp8 else b[k]), k
     changed = [k for k in b if not torch.equal(b[k].float(), before[k].float())]
     assert len(changed) > len(b) // 2
+
+
+def _preempting_rollout(rank: int, port: int, out: str):
+    """Rank 0 drives, ranks 1 and 2 serve with pools too small for their requests (test below)."""
+    import json
+    import os
+    import torch.distributed as dist
+    from rollout_server import RolloutClient, serve
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    cpu = torch.device("cpu")
+    if rank == 0:
+        client = RolloutClient([1, 2], None, cpu)
+        prompts = _prompts([5, 17, 33, 50, 9, 21, 40, 3])
+        outs = client.collect(client.submit(prompts, [GREEDY] * len(prompts), group_size=2))
+        got = {"outputs": len(outs), "preemptions": client.last_preemptions, "gen_s": client.last_gen_s}
+        client.stop()
+    else:
+        cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
+        eng = Engine(build_model(cfg, seed=0).eval(), fp8=False, dtype=torch.float32, device=cpu, max_model_len=128,
+                     num_blocks=8, block_entries=4, max_seqs=4)
+        serve(eng, 0, None, cpu)
+        got = {"preemptions": eng.stats["preemptions"]}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(got, f)
+    dist.destroy_process_group()
+
+
+def test_the_driver_hears_how_many_sequences_the_rollout_preempted(tmp_path):
+    """Each reply carries the sequences its engine preempted in that request (the trainer's rollout_preemptions
+    metric): two rollout ranks, each half of the groups, pools too small for them; the driver's count is the sum."""
+    import json
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_preempting_rollout, args=(port, str(tmp_path)), nprocs=3)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert got[0]["outputs"] == 8 and got[0]["gen_s"] > 0
+    assert got[1]["preemptions"] > 0 and got[2]["preemptions"] > 0
+    assert got[0]["preemptions"] == got[1]["preemptions"] + got[2]["preemptions"], got
