@@ -1,10 +1,16 @@
 """The paged engine against its slow twin (SimpleEngine) and the model's full-sequence forward."""
 import dataclasses
 import functools
+import json
+import os
 import re
+import socket
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
@@ -1204,15 +1210,11 @@ def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep, m
 
 def _preempting_rollout(rank: int, port: int, out: str):
     """Rank 0 drives, ranks 1 and 2 serve with pools too small for their requests (test below)."""
-    import json
-    import os
-    import torch.distributed as dist
-    from rollout_server import RolloutClient, serve
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
     cpu = torch.device("cpu")
     if rank == 0:
-        client = RolloutClient([1, 2], None, cpu)
+        client = rollout_server.RolloutClient([1, 2], None, cpu)
         prompts = _prompts([5, 17, 33, 50, 9, 21, 40, 3])
         outs = client.collect(client.submit(prompts, [GREEDY] * len(prompts), group_size=2))
         got = {"outputs": len(outs), "preemptions": client.last_preemptions, "gen_s": client.last_gen_s}
@@ -1221,7 +1223,7 @@ def _preempting_rollout(rank: int, port: int, out: str):
         cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
         eng = Engine(build_model(cfg, seed=0).eval(), fp8=False, dtype=torch.float32, device=cpu, max_model_len=128,
                      num_blocks=8, block_entries=4, max_seqs=4)
-        serve(eng, 0, None, cpu)
+        rollout_server.serve(eng, 0, None, cpu)
         got = {"preemptions": eng.stats["preemptions"]}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(got, f)
@@ -1231,13 +1233,15 @@ def _preempting_rollout(rank: int, port: int, out: str):
 def test_the_driver_hears_how_many_sequences_the_rollout_preempted(tmp_path):
     """Each reply carries the sequences its engine preempted in that request (the trainer's rollout_preemptions
     metric): two rollout ranks, each half of the groups, pools too small for them; the driver's count is the sum."""
-    import json
-    import socket
-    import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_preempting_rollout, args=(port, str(tmp_path)), nprocs=3)
+    ranks, deadline = mp.spawn(_preempting_rollout, args=(port, str(tmp_path)), nprocs=3, join=False), time.time() + 240
+    while not ranks.join(timeout=2):  # (a rank's error is raised here)
+        if time.time() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the three ranks did not finish in 240 s")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert got[0]["outputs"] == 8 and got[0]["gen_s"] > 0
     assert got[1]["preemptions"] > 0 and got[2]["preemptions"] > 0
