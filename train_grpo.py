@@ -79,6 +79,7 @@ from model.config import ConfigError, build_section, closest, load_yaml, resolve
 from model.model import DTYPES, Experts, Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state,
                             layout_error, local, make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
+from model.plan import GB, plan
 from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
@@ -509,7 +510,6 @@ def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes
     one line, a warning naming the role and its largest terms where the plan is over. The plan is an estimate (its
     terms are added as if they peaked together: mini.yaml's actor planned 1.12-1.17x of the peak measured), so over
     it is a warning."""
-    from model.plan import GB, plan
     run = dataclasses.replace(cfg, deploy=dataclasses.replace(cfg.deploy, world_size=world,
                                                               gpus_per_node=actors_per_host))
     p = plan(run)
@@ -544,20 +544,20 @@ def check_placement(rank: int, world: int, n_actor: int, device, cfg: RunConfig)
     """On a multi-host run the rollout ranks must have a host of their own (its memory is for the KV cache);
     say so on rank 0 when they share one with actor ranks. On GPUs rank 0 also prints the memory plan of this
     world against the smallest GPU of each role and the smallest actor host (memory_plan_line)."""
-    name = torch.zeros(80, dtype=torch.uint8)
+    rec = torch.zeros(80, dtype=torch.uint8)  # host name, GPU bytes, host RAM bytes
     host = f"{os.environ.get('GROUP_RANK', '0')}:{socket.gethostname()}".encode()[:64]
-    name[:len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
+    rec[:len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
     mem = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     try:
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # not on this OS: the host term is not checked
         ram = 0
-    name[64:] = torch.tensor([mem, ram], dtype=torch.int64).view(torch.uint8)
-    names = [torch.zeros_like(name).to(device) for _ in range(world)]
-    dist.all_gather(names, name.to(device))
-    names = [n.cpu() for n in names]
-    nodes, hosts = zip(*(n[:64].numpy().tobytes().rstrip(b"\0").decode().split(":", 1) for n in names))
-    mems, rams = zip(*(n[64:].view(torch.int64).tolist() for n in names))
+    rec[64:] = torch.tensor([mem, ram], dtype=torch.int64).view(torch.uint8)
+    recs = [torch.zeros_like(rec).to(device) for _ in range(world)]
+    dist.all_gather(recs, rec.to(device))
+    recs = [r.cpu() for r in recs]
+    nodes, hosts = zip(*(r[:64].numpy().tobytes().rstrip(b"\0").decode().split(":", 1) for r in recs))
+    mems, rams = zip(*(r[64:].view(torch.int64).tolist() for r in recs))
     if rank == 0:
         print(f"roles: actor ranks 0-{n_actor - 1} on nodes {sorted(set(nodes[:n_actor]))}, rollout ranks "
               f"{n_actor}-{world - 1} on nodes {sorted(set(nodes[n_actor:]))}", flush=True)
