@@ -2487,6 +2487,11 @@ def _pack_outputs(outs: list[Output]) -> tuple[dict, dict]:
     return meta, tensors
 
 
+def engine_preemptions(engine) -> int:
+    """Sequences the engine has preempted (and recomputed) so far; the simple engine never preempts."""
+    return getattr(engine, "stats", {}).get("preemptions", 0)
+
+
 def serve(engine, driver: int, sync_group, device, reply: bool = True):
     """Answer the driver (actor rank 0) until it says stop: generate, or receive new weights. reply=False on the
     non-leading ranks of a rollout expert-parallel group: they run the same steps and stay silent."""
@@ -2508,14 +2513,14 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
             fault_point("generate")
             with phase(f"generation ({len(prompts)} prompts)"):
                 t0 = time.perf_counter()
-                before = getattr(engine, "stats", {}).get("preemptions", 0)  # (the simple engine never preempts)
+                before = engine_preemptions(engine)
                 # sequence i of the whole request samples with (seed, i) whichever group generates it
                 outs = engine.generate(prompts, params, first_index=meta.get("first_index", 0))
                 gen_s = time.perf_counter() - t0
             if reply:
                 m, ts = _pack_outputs(outs)
                 m["gen_s"] = gen_s
-                m["preemptions"] = getattr(engine, "stats", {}).get("preemptions", 0) - before
+                m["preemptions"] = engine_preemptions(engine) - before
                 send_msg(m, ts, driver, device)
         elif cmd == "sync":
             with phase("weight sync", f"rank {driver}, the driver"):
@@ -3003,6 +3008,25 @@ class CliRanks:
                                                          f"{self.ep_size} rank(s)")
 
 
+def cli_preemptions(engine, ranks: CliRanks, since: int = 0) -> int:
+    """The preemptions of every group's engine since `since` (each group's count once: a group's ranks run one
+    schedule), summed on rank 0 (the other ranks get 0). Every rank must call it."""
+    n = engine_preemptions(engine) - since if ranks.rank % ranks.ep_size == 0 else 0
+    if ranks.groups == 1:
+        return n if ranks.rank == 0 else 0
+    got = [None] * ranks.world if ranks.rank == 0 else None
+    dist.gather_object(n, got, dst=0, group=ranks.gather)
+    return sum(got) if ranks.rank == 0 else 0
+
+
+def preemption_note(n: int) -> str:
+    """The CLI's last line's ending: how many sequences the cache pools' running full cost a recompute."""
+    if not n:
+        return " (no sequence preempted)"
+    return (f" ({n} sequence(s) preempted and recomputed: the cache pools ran full; a larger --mem-fraction or a "
+            f"smaller --max-seqs or --chunk avoids the recompute)")
+
+
 def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
     """The CLI's ranks (WORLD_SIZE > 1: under torchrun) in groups of ep_size (None: all of them, one group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -3206,6 +3230,7 @@ def main(argv=None):
         # the same batch and lengths with other tokens first (no prefix shared with the timed prompts): the kernels
         # for these sizes compile and the batch's CUDA graph is captured before the clock starts
         engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
+        warm_preempted = engine_preemptions(engine)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -3214,10 +3239,11 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
+        preempted = cli_preemptions(engine, ranks, since=warm_preempted)
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
-                  f"overall")
+                  f"overall{preemption_note(preempted)}")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
 
@@ -3269,11 +3295,12 @@ def main(argv=None):
                 bar.update(min(G, len(todo) - k))
         if lead:
             os.fsync(f.fileno())
+    preempted = cli_preemptions(engine, ranks)
     if not lead:
         return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
-    print(f"wrote {len(prompts)} completions to {args.out}")
+    print(f"wrote {len(prompts)} completions to {args.out}{preemption_note(preempted)}")
 
 
 if __name__ == "__main__":

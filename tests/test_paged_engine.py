@@ -665,6 +665,34 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
+def test_cli_says_how_many_sequences_it_preempted(tmp_path, capsys, monkeypatch):
+    """The CLI's last line counts the sequences its engine preempted and recomputed (a cache too small for the
+    batch: a silent slowdown otherwise), with what avoids it; the completions are those of a run that preempted
+    none."""
+    import json
+    import rollout_server
+    src = tmp_path / "p.jsonl"
+    g = torch.Generator().manual_seed(3)  # (tiny.yaml's vocabulary: 14 tokens)
+    src.write_text("\n".join(json.dumps({"prompt_token_ids": torch.randint(0, 14, (n,), generator=g).tolist(),
+                                          "ignore_eos": True}) for n in (9, 4, 12, 7)))
+    args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "40", "--max-seqs", "4",
+            "--max-model-len", "64", "--n", "2", "--temperature", "0.8"]
+    rollout_server.main([*args, "--out", str(tmp_path / "ref.jsonl")])
+    assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (no sequence preempted)" in capsys.readouterr().out
+    engines, real = [], rollout_server.Engine.__init__
+
+    def small_pools(self, *a, **kw):
+        real(self, *a, **{**kw, "num_blocks": 8, "block_entries": 4})
+        engines.append(self)
+    monkeypatch.setattr(rollout_server.Engine, "__init__", small_pools)
+    rollout_server.main([*args, "--out", str(tmp_path / "o.jsonl")])
+    n = engines[0].stats["preemptions"]
+    assert n > 0 and f"wrote 8 completions to {tmp_path / 'o.jsonl'} ({n} sequence(s) preempted and recomputed: " \
+        "the cache pools ran full; a larger --mem-fraction" in capsys.readouterr().out
+    want, got = ([json.loads(r) for r in (tmp_path / f).read_text().splitlines()] for f in ("ref.jsonl", "o.jsonl"))
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+
+
 def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
     """--resume after an interruption: the whole chunks in <out>.partial are kept (a torn record and the rest of its
     chunk are done again), only the chunks after them are generated, and the file is the uninterrupted run's, byte
@@ -778,6 +806,7 @@ def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monk
     assert p.returncode != 0 and "o.jsonl.partial.json is missing" in p.stderr, p.stderr[-3000:]
     p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--ep", "1", timeout=300)
     assert p.returncode == 0 and "expert parallel" not in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count("completions to") == p.stdout.count("(no sequence preempted)") == 1  # (two groups' counts)
     same_as_ref()
     with pytest.raises(SystemExit):
         rollout_server.main([*args, "--out", str(out), "--ep", "2"])
@@ -800,7 +829,8 @@ def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     (warm, wp), (timed, tp) = calls
     assert len(warm) == len(timed) == 3 and {len(p) for p in warm + timed} == {9}
     assert all(a != b for a in warm for b in timed) and wp.max_tokens == 2 and tp.max_tokens == 4
-    assert "3 x (9 prompt + 4 generated) on cpu:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 x (9 prompt + 4 generated) on cpu:" in out and out.rstrip().endswith("(no sequence preempted)")
 
 
 def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
