@@ -3180,6 +3180,9 @@ def main(argv=None):
                     start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
                                                                    enumerate(lines)], args.chunk)
                     print(f"resuming: {start} of {len(lines)} completions kept from {partial}")
+                elif args.resume and args.out.exists():  # most likely the finished run's: not generated again
+                    raise SystemExit(f"--resume: there is no {partial} to continue, and {args.out} exists (a "
+                                     f"finished run's output?): run without --resume to generate it again")
                 elif args.resume:
                     print(f"--resume: no {partial}, so starting from the first prompt")
                 elif partial.exists():

@@ -696,7 +696,8 @@ def test_cli_says_how_many_sequences_it_preempted(tmp_path, capsys, monkeypatch)
 def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
     """--resume after an interruption: the whole chunks in <out>.partial are kept (a torn record and the rest of its
     chunk are done again), only the chunks after them are generated, and the file is the uninterrupted run's, byte
-    for byte. Other arguments or prompts, or no settings beside the file, are refused naming why."""
+    for byte. Other arguments or prompts, or no settings beside the file, are refused naming why; so is a finished
+    run's --out (nothing to continue)."""
     import json
     src = tmp_path / "p.jsonl"
     src.write_text("\n".join(json.dumps([3 + i, 4, 5 + i % 3]) for i in range(7)) + "\n")
@@ -753,6 +754,10 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(0))
     rollout_server.main([*args, "--out", str(out), "--resume"])
     assert "no " in capsys.readouterr().out and calls == [4, 4, 4, 2] and out.read_bytes() == ref.read_bytes()
+    calls.clear()  # a finished run's --out and no .partial: refused, not generated again
+    with pytest.raises(SystemExit, match="there is no .*o.jsonl.partial to continue, and .*o.jsonl exists"):
+        rollout_server.main([*args, "--out", str(out), "--resume"])
+    assert calls == [] and out.read_bytes() == ref.read_bytes()
     with pytest.raises(SystemExit):
         rollout_server.main(["--model", "configs/tiny.yaml", "--bench", "--resume"])
     assert "--resume continues a --prompts/--out run" in capsys.readouterr().err
