@@ -488,8 +488,9 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     held tensors only; a model with weights is copied on meta and its weights streamed in by update_weights, cast
     as set_dtype casts them (none beside the caller's, on its device or another; one holding only some experts,
     load_pretrained's experts=, is copied; stream=False copies any model whole first, the twin). Under expert
-    parallelism only this rank's experts are read from a checkpoint. cfg: a checkpoint directory's config, where
-    the caller has read it already (None: read from its config.json)."""
+    parallelism only this rank's experts are read from a checkpoint. On a GPU, held tensors that exceed its free
+    memory are refused before any is made (check_weights_fit). cfg: a checkpoint directory's config, where the
+    caller has read it already (None: read from its config.json)."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
     source = skeleton = None  # a model / a checkpoint's model on meta, whose weights are streamed in at the end
@@ -521,6 +522,7 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                 setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device,
                                                     model.cfg.n_routed_experts))
     if any(t.is_meta for t in model.parameters()):  # (the holders' shapes and dtypes made on meta too)
+        check_weights_fit(model, device)  # before the device's memory is taken (a release's load takes minutes)
         model.to_empty(device=device).tie_weights()
     model.to(device).reset_buffers()  # the rest: embeddings, head, norms, router, mHC, compressors
     for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
@@ -543,6 +545,37 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     elif source is not None:
         update_weights(model, ((n, Transformer.held_as(n, t, dtype)) for n, t in source.stored_state().items()))
     return model
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes free on a GPU, what earlier frees left in torch's cache included; None on the CPU (no fixed budget)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def check_weights_fit(model: nn.Module, device):
+    """Refuse a model whose held tensors (on meta still: their shapes and dtypes are the holders') exceed the free
+    memory of device (None: torch's default), naming the routed experts' share, which expert parallelism divides."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    free = free_device_memory(device)
+    if free is None:
+        return
+    sizes = {id(t): (t.numel() * t.element_size(), isinstance(m, EngineExperts))
+             for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    need = sum(n for n, _ in sizes.values())
+    experts = sum(n for n, e in sizes.values() if e)
+    if need > free:
+        gib = 2 ** -30
+        ep = next((m.n_total // m.n_local for m in model.modules() if isinstance(m, EngineExperts)), 1)
+        hint = ("split the routed experts over more ranks (rollout_server.py under torchrun with --ep, "
+                "train_grpo.py's rollout.ep)" if need - experts <= free else
+                "the rest alone exceeds it, and only the routed experts split over ranks: a GPU with more memory")
+        raise ValueError(f"invalid engine arguments: the weights do not fit: this rank would hold {need * gib:.3g} GiB "
+                         f"of them ({experts * gib:.3g} GiB the routed experts, split over ep={ep} rank(s); "
+                         f"{(need - experts) * gib:.3g} GiB the rest) against the {free * gib:.3g} GiB free on "
+                         f"{device}: {hint}")
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -1977,8 +2010,7 @@ class Engine:
         per_block = {k: size({**zero, k: 1}) - fixed for k in full}
         need = {k: n + 1 for k, n in most.items()}  # the least that serves: one sequence of max_model_len
         least = fixed + sum(per_block[k] * need[k] for k in full)
-        torch.cuda.empty_cache()  # what loading and quantizing freed, back to the device's count of free memory
-        free = torch.cuda.mem_get_info(self.device)[0]
+        free = free_device_memory(self.device)  # (what loading and quantizing freed counted as free)
         budget = mem_fraction * free
         if least > budget:
             gib = 2 ** -30

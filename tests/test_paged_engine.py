@@ -665,6 +665,36 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
         main(["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "x.jsonl")])
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_weights_that_do_not_fit_the_device_are_refused_before_it_is_touched(model, monkeypatch, fp8):
+    """On a GPU the engine counts what the rank will hold (the meta model's holders, before any memory is taken)
+    against the device's free memory: exactly what it then holds, and more is refused naming the routed experts'
+    share (which expert parallelism divides) and the rest. (The CPU has no budget: faked here.)"""
+    import rollout_server
+
+    def held(m):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*m.parameters(), *m.buffers()]}.values())
+    monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: None)
+    inference = rollout_server.prepare_inference_model(model, fp8, torch.bfloat16, torch.device("cpu"))
+    need, experts = held(inference), 0
+    for m in inference.modules():
+        if type(m) is rollout_server.EngineExperts:  # (the routed experts' rows: not a folded shared expert's)
+            experts += sum(m.routed(n).nbytes for n in ("w1", "w2", "w3", "s1", "s2", "s3") if getattr(m, n) is not None)
+    monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: need)
+    Engine(model, fp8=fp8, device="cpu", max_model_len=64, max_seqs=2)  # (exactly enough)
+    gib = 2 ** -30
+    for free, hint in ((need - 1, "split the routed experts over more ranks"),
+                       (need - experts - 1, "the rest alone exceeds it")):
+        monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: free)
+        with pytest.raises(ValueError) as e:
+            Engine(model, fp8=fp8, device="cpu", max_model_len=64, max_seqs=2)
+        assert str(e.value).startswith(
+            f"invalid engine arguments: the weights do not fit: this rank would hold {need * gib:.3g} GiB of them "
+            f"({experts * gib:.3g} GiB the routed experts, split over ep=1 rank(s); {(need - experts) * gib:.3g} GiB "
+            f"the rest) against the {free * gib:.3g} GiB free on cpu: {hint}")
+
+
 def test_cli_says_how_many_sequences_it_preempted(tmp_path, capsys, monkeypatch):
     """The CLI's last line counts the sequences its engine preempted and recomputed (a cache too small for the
     batch: a silent slowdown otherwise), with what avoids it; the completions are those of a run that preempted
