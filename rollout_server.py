@@ -555,6 +555,14 @@ def free_device_memory(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of the model's parameters and buffers (each tensor once, on meta too: what they will take), and of
+    those the experts' stacks (EngineExperts) hold: the routed experts' until fold_shared adds a shared one."""
+    sizes = {id(t): (t.numel() * t.element_size(), isinstance(m, EngineExperts))
+             for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    return sum(n for n, _ in sizes.values()), sum(n for n, e in sizes.values() if e)
+
+
 def check_weights_fit(model: nn.Module, device):
     """Refuse a model whose held tensors (on meta still: their shapes and dtypes are the holders') exceed the free
     memory of device (None: torch's default), naming the routed experts' share, which expert parallelism divides."""
@@ -562,10 +570,7 @@ def check_weights_fit(model: nn.Module, device):
     free = free_device_memory(device)
     if free is None:
         return
-    sizes = {id(t): (t.numel() * t.element_size(), isinstance(m, EngineExperts))
-             for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
-    need = sum(n for n, _ in sizes.values())
-    experts = sum(n for n, e in sizes.values() if e)
+    need, experts = held_bytes(model)
     if need > free:
         gib = 2 ** -30
         ep = next((m.n_total // m.n_local for m in model.modules() if isinstance(m, EngineExperts)), 1)
@@ -1994,6 +1999,7 @@ class Engine:
                       "decode_s": 0.0}
         self.pipeline = pipeline
         self.ahead = None  # the decode step in flight: (its sequences, fetch handle)
+        self.peak_seqs = 0  # the most sequences the last generate call held slots for at once
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
@@ -2062,6 +2068,7 @@ class Engine:
         running: list[Sequence] = []
         order = 0
         c = self.cache
+        self.peak_seqs = 0
         try:
             while waiting or prefilling or running:
                 while waiting:  # admit whole groups while slots and blocks last
@@ -2091,6 +2098,7 @@ class Engine:
                     prefilling.append(s)
                 if not (prefilling or running):
                     raise RuntimeError("the cache cannot hold a single sequence: raise num_blocks or mem_fraction")
+                self.peak_seqs = max(self.peak_seqs, c.n_slots - len(c.free_slots))
                 t0 = time.perf_counter()
                 if prefilling:  # every step ends in a host read of its samples, so the wall time is the step's
                     self._prefill_step(prefilling, running)
@@ -3040,23 +3048,28 @@ class CliRanks:
                                                          f"{self.ep_size} rank(s)")
 
 
-def cli_preemptions(engine, ranks: CliRanks, since: int = 0) -> int:
-    """The preemptions of every group's engine since `since` (each group's count once: a group's ranks run one
-    schedule), summed on rank 0 (the other ranks get 0). Every rank must call it."""
-    n = engine_preemptions(engine) - since if ranks.rank % ranks.ep_size == 0 else 0
+def cli_cache_stats(engine, ranks: CliRanks, peak: int, since: int = 0) -> tuple[int, int]:
+    """On rank 0: the sequences the groups' engines preempted (and recomputed) since `since`, summed (each group's
+    count once: a group's ranks run one schedule), and the most sequences one of them ran at once (peak: this
+    rank's, from Engine.peak_seqs); (0, 0) on the other ranks. Every rank must call it."""
+    mine = (engine_preemptions(engine) - since, peak) if ranks.rank % ranks.ep_size == 0 else (0, 0)
     if ranks.groups == 1:
-        return n if ranks.rank == 0 else 0
+        return mine if ranks.rank == 0 else (0, 0)
     got = [None] * ranks.world if ranks.rank == 0 else None
-    dist.gather_object(n, got, dst=0, group=ranks.gather)
-    return sum(got) if ranks.rank == 0 else 0
+    dist.gather_object(mine, got, dst=0, group=ranks.gather)
+    return (sum(n for n, _ in got), max(k for _, k in got)) if ranks.rank == 0 else (0, 0)
 
 
-def preemption_note(n: int) -> str:
-    """The CLI's last line's ending: how many sequences the cache pools' running full cost a recompute."""
-    if not n:
+def cache_note(preempted: int, peak: int | None, could: int) -> str:
+    """The CLI's last line's ending: what a cache too small for the batch cost. peak: the most sequences run at once
+    (None: an engine without a paged cache); could: what max_seqs and the batch allowed."""
+    cost = [f"the cache pools held at most {peak} of the {could} sequences that could run at once"] \
+        if peak is not None and peak < could else []
+    cost += [f"{preempted} sequence(s) preempted and recomputed"] if preempted else []
+    if not cost:
         return " (no sequence preempted)"
-    return (f" ({n} sequence(s) preempted and recomputed: the cache pools ran full; a larger --mem-fraction or a "
-            f"smaller --max-seqs or --chunk avoids the recompute)")
+    return f" ({'; '.join(cost)}: a larger --mem-fraction, or a smaller --max-seqs whose slots take a share, " \
+           f"gives the pools more blocks)"
 
 
 def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
@@ -3242,11 +3255,12 @@ def main(argv=None):
     model = build_model(cfg, "meta", torch.float32, seed=None) if yaml_model else args.model
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
               fp8_scale_fmt=args.fp8_scale_fmt, ep=ep, cfg=None if yaml_model else cfg)
-    if args.engine == "paged":
+    paged = args.engine == "paged"
+    if paged:
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
                   mem_fraction=args.mem_fraction)
     try:
-        engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=lead, **kw)
+        engine = (Engine if paged else SimpleEngine)(model, progress=lead, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
         raise SystemExit(f"error: --model {args.model}: {e}") from None
     except ValueError as e:  # what only the loaded model and the device tell: the cache does not fit
@@ -3265,7 +3279,7 @@ def main(argv=None):
         # the same batch and lengths with other tokens first (no prefix shared with the timed prompts): the kernels
         # for these sizes compile and the batch's CUDA graph is captured before the clock starts
         engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
-        warm_preempted = engine_preemptions(engine)
+        warm = engine_preemptions(engine)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -3274,11 +3288,11 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
-        preempted = cli_preemptions(engine, ranks, since=warm_preempted)
+        preempted, peak = cli_cache_stats(engine, ranks, getattr(engine, "peak_seqs", 0), since=warm)
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
-                  f"overall{preemption_note(preempted)}")
+                  f"overall{cache_note(preempted, peak if paged else None, min(args.max_seqs, args.batch))}")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
 
@@ -3306,6 +3320,7 @@ def main(argv=None):
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, meta)
     todo = range(start, len(prompts), args.chunk)  # the chunks' first requests; in a round group g takes the g-th
+    peak = 0  # the most sequences the engine ran at once in a chunk
     G = ranks.groups
     with open(partial, "a" if start else "w") if lead else nullcontext() as f, \
             tqdm(desc="generating", unit="chunk", initial=start // args.chunk, total=-(-len(prompts) // args.chunk),
@@ -3316,6 +3331,7 @@ def main(argv=None):
                 first = todo[k + ranks.group]
                 outs = engine.generate(prompts[first:first + args.chunk], params[first:first + args.chunk],
                                        first_index=first)
+                peak = max(peak, getattr(engine, "peak_seqs", 0))
                 text = records(first, outs) if ranks.rank % ranks.ep_size == 0 else None
             texts = [text]
             if G > 1:  # every group's first rank sends its chunk's lines; rank 0 writes them in chunk order
@@ -3330,12 +3346,13 @@ def main(argv=None):
                 bar.update(min(G, len(todo) - k))
         if lead:
             os.fsync(f.fileno())
-    preempted = cli_preemptions(engine, ranks)
+    preempted, peak = cli_cache_stats(engine, ranks, peak)
     if not lead:
         return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
-    print(f"wrote {len(prompts)} completions to {args.out}{preemption_note(preempted)}")
+    could = min(args.max_seqs, args.chunk, len(prompts))
+    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(preempted, peak if paged else None, could)}")
 
 
 if __name__ == "__main__":

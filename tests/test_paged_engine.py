@@ -695,32 +695,33 @@ def test_weights_that_do_not_fit_the_device_are_refused_before_it_is_touched(mod
             f"the rest) against the {free * gib:.3g} GiB free on cpu: {hint}")
 
 
-def test_cli_says_how_many_sequences_it_preempted(tmp_path, capsys, monkeypatch):
-    """The CLI's last line counts the sequences its engine preempted and recomputed (a cache too small for the
-    batch: a silent slowdown otherwise), with what avoids it; the completions are those of a run that preempted
-    none."""
+def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, monkeypatch):
+    """The CLI's last line says what a cache too small for the batch cost (a silent slowdown otherwise): the most
+    sequences run at once, below what --max-seqs and the batch allowed, and the sequences preempted and recomputed,
+    with what avoids them; the completions are those of a run with room for all (4 sequences at once)."""
     import json
     import rollout_server
     src = tmp_path / "p.jsonl"
     g = torch.Generator().manual_seed(3)  # (tiny.yaml's vocabulary: 14 tokens)
     src.write_text("\n".join(json.dumps({"prompt_token_ids": torch.randint(0, 14, (n,), generator=g).tolist(),
                                           "ignore_eos": True}) for n in (9, 4, 12, 7)))
-    args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "40", "--max-seqs", "4",
+    args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "30", "--max-seqs", "4",
             "--max-model-len", "64", "--n", "2", "--temperature", "0.8"]
     rollout_server.main([*args, "--out", str(tmp_path / "ref.jsonl")])
     assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (no sequence preempted)" in capsys.readouterr().out
     engines, real = [], rollout_server.Engine.__init__
-
-    def small_pools(self, *a, **kw):
-        real(self, *a, **{**kw, "num_blocks": 8, "block_entries": 4})
-        engines.append(self)
-    monkeypatch.setattr(rollout_server.Engine, "__init__", small_pools)
-    rollout_server.main([*args, "--out", str(tmp_path / "o.jsonl")])
-    n = engines[0].stats["preemptions"]
-    assert n > 0 and f"wrote 8 completions to {tmp_path / 'o.jsonl'} ({n} sequence(s) preempted and recomputed: " \
-        "the cache pools ran full; a larger --mem-fraction" in capsys.readouterr().out
-    want, got = ([json.loads(r) for r in (tmp_path / f).read_text().splitlines()] for f in ("ref.jsonl", "o.jsonl"))
-    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    # 7 usable blocks of 4 entries: all 4 sequences start, then preempt as they grow; 3: at most 3 start
+    for blocks, cost in ((8, ""), (4, "the cache pools held at most 3 of the 4 sequences that could run at once; ")):
+        monkeypatch.setattr(rollout_server.Engine, "__init__",
+                            lambda self, *a, **kw: real(self, *a, **{**kw, "num_blocks": blocks, "block_entries": 4})
+                            or engines.append(self))
+        out = tmp_path / f"o{blocks}.jsonl"
+        rollout_server.main([*args, "--out", str(out)])
+        n = engines[-1].stats["preemptions"]
+        assert n > 0 and f"wrote 8 completions to {out} ({cost}{n} sequence(s) preempted and recomputed: a larger " \
+            f"--mem-fraction" in capsys.readouterr().out
+        want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (tmp_path / "ref.jsonl", out))
+        assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
 
 
 def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
