@@ -704,6 +704,41 @@ def test_engine_from_a_model_on_the_gpu_makes_no_second_copy():
     assert peaks[False] > model_bytes and peaks[True] < size + 2 * biggest + (8 << 20), (peaks, size, model_bytes)
 
 
+def test_engine_counts_its_weights_and_refuses_too_many_before_taking_any(monkeypatch):
+    """The engine's count of the bytes it will hold (its meta model's holders) is what it then takes on the GPU;
+    with less free than that, Engine stops with the count before taking any memory (no out-of-memory error
+    midway through a load)."""
+    import gc
+    import re
+    import rollout_server
+    m = _engine_model()
+    counted = []
+    check = rollout_server.check_weights_fit
+    monkeypatch.setattr(rollout_server, "check_weights_fit",
+                        lambda model, device: counted.append(rollout_server.held_bytes(model)[0]) or check(model, device))
+    for fp8 in (True, False):
+        gc.collect()  # (earlier engines' models hold reference cycles: freed now, not inside the measured call)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        eng = rollout_server.prepare_inference_model(m, fp8, torch.bfloat16, torch.device("cuda"))
+        held = torch.cuda.memory_allocated() - base
+        del eng
+        assert abs(counted[-1] - held) <= 0.01 * held, (fp8, counted[-1], held)
+    gc.collect()  # (as above: not during Engine below)
+    torch.cuda.empty_cache()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - counted[0] // 2, dtype=torch.uint8, device="cuda")
+    try:
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(ValueError, match="the weights do not fit: this rank would hold") as e:
+            rollout_server.Engine(m, device="cuda")
+        assert torch.cuda.memory_allocated() == before
+        gib = float(re.search(r"would hold ([0-9.e+-]+) GiB", str(e.value)).group(1))
+        assert abs(gib * 2 ** 30 - counted[0]) <= 0.005 * counted[0]
+    finally:
+        del filler
+        torch.cuda.empty_cache()  # (the next tests' engines size their pools from the free memory)
+
+
 def test_engine_graphs_match_eager_and_simple():
     from kernels import fp8_gemm
     from rollout_server import Engine, SamplingParams, SimpleEngine
