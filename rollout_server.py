@@ -1291,6 +1291,7 @@ class Sequence:
         self.fed = 0                   # positions [0, fed) are in the cache
         self.feed = self.prompt        # what prefill feeds; after preemption: prompt + tokens[:-1]
         self.resume = False            # re-prefilling after preemption: do not sample at its end
+        self.waited = False            # found a slot free but too few cache blocks to start (counted once)
         self.followers: list[Sequence] = []
         self.order = 0
 
@@ -1995,11 +1996,11 @@ class Engine:
         self.cache = PagedCache(self.model, max_seqs, n_blocks, block_entries, max_model_len, device, dtype)
         self.runner = Runner(self.model, self.cache, cuda_graphs, record_index)
         self.records = ("routing", "index") if record_index else ("routing",)  # a step's per-position outputs
-        self.stats = {"preemptions": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0}
+        # cache_waits: sequences that found a slot free but too few cache blocks to start (each counted once)
+        self.stats = {"preemptions": 0, "cache_waits": 0, "prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0,
+                      "prefill_s": 0.0, "decode_s": 0.0}
         self.pipeline = pipeline
         self.ahead = None  # the decode step in flight: (its sequences, fetch handle)
-        self.peak_seqs = 0  # the most sequences the last generate call held slots for at once
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
@@ -2068,7 +2069,6 @@ class Engine:
         running: list[Sequence] = []
         order = 0
         c = self.cache
-        self.peak_seqs = 0
         try:
             while waiting or prefilling or running:
                 while waiting:  # admit whole groups while slots and blocks last
@@ -2077,6 +2077,10 @@ class Engine:
                     forks, fits = self._group_fits(s, len(s.followers))
                     if not fits:
                         if prefilling or running or not s.followers:
+                            if len(c.free_slots) > len(s.followers):  # the blocks, not the slots, hold it back
+                                self.stats["cache_waits"] += sum(not g.waited for g in group)
+                                for g in group:
+                                    g.waited = True
                             break
                         # nothing runs, so nothing frees slots or blocks: the group is larger than the cache. Admit
                         # as much of it as fits; the rest becomes a group of its own (its prompt prefilled again)
@@ -2098,7 +2102,6 @@ class Engine:
                     prefilling.append(s)
                 if not (prefilling or running):
                     raise RuntimeError("the cache cannot hold a single sequence: raise num_blocks or mem_fraction")
-                self.peak_seqs = max(self.peak_seqs, c.n_slots - len(c.free_slots))
                 t0 = time.perf_counter()
                 if prefilling:  # every step ends in a host read of its samples, so the wall time is the step's
                     self._prefill_step(prefilling, running)
@@ -2527,9 +2530,13 @@ def _pack_outputs(outs: list[Output]) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def engine_preemptions(engine) -> int:
-    """Sequences the engine has preempted (and recomputed) so far; the simple engine never preempts."""
-    return getattr(engine, "stats", {}).get("preemptions", 0)
+CACHE_COUNTS = ("preemptions", "cache_waits")  # what a cache too small for the requests costs (Engine.stats)
+
+
+def cache_counts(engine) -> dict:
+    """The engine's CACHE_COUNTS so far (the simple engine has no cache to run short of: zeros)."""
+    stats = getattr(engine, "stats", {})
+    return {k: stats.get(k, 0) for k in CACHE_COUNTS}
 
 
 def serve(engine, driver: int, sync_group, device, reply: bool = True):
@@ -2553,14 +2560,14 @@ def serve(engine, driver: int, sync_group, device, reply: bool = True):
             fault_point("generate")
             with phase(f"generation ({len(prompts)} prompts)"):
                 t0 = time.perf_counter()
-                before = engine_preemptions(engine)
+                before = cache_counts(engine)
                 # sequence i of the whole request samples with (seed, i) whichever group generates it
                 outs = engine.generate(prompts, params, first_index=meta.get("first_index", 0))
                 gen_s = time.perf_counter() - t0
             if reply:
                 m, ts = _pack_outputs(outs)
                 m["gen_s"] = gen_s
-                m["preemptions"] = engine_preemptions(engine) - before
+                m.update({k: n - before[k] for k, n in cache_counts(engine).items()})
                 send_msg(m, ts, driver, device)
         elif cmd == "sync":
             with phase("weight sync", f"rank {driver}, the driver"):
@@ -2740,7 +2747,7 @@ class RolloutClient:
         self.next_ticket = 0
         self.packers: dict = {}  # graphs key -> GraphPacker
         self.last_gen_s = 0.0
-        self.last_preemptions = 0
+        self.last_cache = dict.fromkeys(CACHE_COUNTS, 0)
 
     def _expect(self, rank: int) -> int:
         self.next_ticket += 1
@@ -2774,13 +2781,15 @@ class RolloutClient:
 
     def collect(self, handle) -> list[Output]:
         """The outputs of a submitted request, in prompt order. self.last_gen_s: the longest time one rollout
-        group spent generating its share (the groups generate at the same time); self.last_preemptions: the
-        sequences the groups' engines preempted (their cache pools full) and recomputed."""
-        outs, self.last_gen_s, self.last_preemptions = [], 0.0, 0
+        group spent generating its share (the groups generate at the same time); self.last_cache: the groups'
+        engines' cache_counts over the request, summed (sequences preempted and recomputed, and sequences that
+        waited for cache blocks: their cache pools full)."""
+        outs, self.last_gen_s, self.last_cache = [], 0.0, dict.fromkeys(CACHE_COUNTS, 0)
         for r, ticket, prompts in handle:
             meta, t = self._reply(r, ticket)
             self.last_gen_s = max(self.last_gen_s, meta.get("gen_s", 0.0))
-            self.last_preemptions += meta.get("preemptions", 0)
+            for k in CACHE_COUNTS:
+                self.last_cache[k] += meta.get(k, 0)
             tok, lp, rt = t["tokens"].cpu().tolist(), t["logprobs"].cpu().tolist(), t["routing"].cpu()
             o = ro = 0
             for p, n, nr, fin in zip(prompts, meta["lengths"], meta["routing_lengths"], meta["finish"]):
@@ -3048,28 +3057,27 @@ class CliRanks:
                                                          f"{self.ep_size} rank(s)")
 
 
-def cli_cache_stats(engine, ranks: CliRanks, peak: int, since: int = 0) -> tuple[int, int]:
-    """On rank 0: the sequences the groups' engines preempted (and recomputed) since `since`, summed (each group's
-    count once: a group's ranks run one schedule), and the most sequences one of them ran at once (peak: this
-    rank's, from Engine.peak_seqs); (0, 0) on the other ranks. Every rank must call it."""
-    mine = (engine_preemptions(engine) - since, peak) if ranks.rank % ranks.ep_size == 0 else (0, 0)
-    if ranks.groups == 1:
-        return mine if ranks.rank == 0 else (0, 0)
-    got = [None] * ranks.world if ranks.rank == 0 else None
-    dist.gather_object(mine, got, dst=0, group=ranks.gather)
-    return (sum(n for n, _ in got), max(k for _, k in got)) if ranks.rank == 0 else (0, 0)
+def cli_cache_counts(engine, ranks: CliRanks, since: dict | None = None) -> dict:
+    """The groups' engines' cache_counts since `since`, summed on rank 0 (each group's once: its ranks run one
+    schedule); zeros on the other ranks. Every rank must call it."""
+    mine = {k: n - (since or {}).get(k, 0) if ranks.rank % ranks.ep_size == 0 else 0
+            for k, n in cache_counts(engine).items()}
+    if ranks.groups > 1:
+        got = [None] * ranks.world if ranks.rank == 0 else None
+        dist.gather_object(mine, got, dst=0, group=ranks.gather)
+        mine = {k: sum(g[k] for g in got) for k in mine} if ranks.rank == 0 else mine
+    return mine if ranks.rank == 0 else dict.fromkeys(mine, 0)
 
 
-def cache_note(preempted: int, peak: int | None, could: int) -> str:
-    """The CLI's last line's ending: what a cache too small for the batch cost. peak: the most sequences run at once
-    (None: an engine without a paged cache); could: what max_seqs and the batch allowed."""
-    cost = [f"the cache pools held at most {peak} of the {could} sequences that could run at once"] \
-        if peak is not None and peak < could else []
-    cost += [f"{preempted} sequence(s) preempted and recomputed"] if preempted else []
+def cache_note(counts: dict) -> str:
+    """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise)."""
+    cost = [f"{counts['cache_waits']} sequence(s) waited for cache blocks with a slot free"] \
+        if counts["cache_waits"] else []
+    cost += [f"{counts['preemptions']} sequence(s) preempted and recomputed"] if counts["preemptions"] else []
     if not cost:
-        return " (no sequence preempted)"
+        return " (none waited for cache blocks or was preempted)"
     return f" ({'; '.join(cost)}: a larger --mem-fraction, or a smaller --max-seqs whose slots take a share, " \
-           f"gives the pools more blocks)"
+           f"gives the cache pools more blocks)"
 
 
 def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
@@ -3255,12 +3263,11 @@ def main(argv=None):
     model = build_model(cfg, "meta", torch.float32, seed=None) if yaml_model else args.model
     kw = dict(fp8=not args.bf16, dtype=dtype, device=device, record_index=args.index_entries,
               fp8_scale_fmt=args.fp8_scale_fmt, ep=ep, cfg=None if yaml_model else cfg)
-    paged = args.engine == "paged"
-    if paged:
+    if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
                   mem_fraction=args.mem_fraction)
     try:
-        engine = (Engine if paged else SimpleEngine)(model, progress=lead, **kw)
+        engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=lead, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
         raise SystemExit(f"error: --model {args.model}: {e}") from None
     except ValueError as e:  # what only the loaded model and the device tell: the cache does not fit
@@ -3279,7 +3286,7 @@ def main(argv=None):
         # the same batch and lengths with other tokens first (no prefix shared with the timed prompts): the kernels
         # for these sizes compile and the batch's CUDA graph is captured before the clock starts
         engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
-        warm = engine_preemptions(engine)
+        warm = cache_counts(engine)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -3288,11 +3295,11 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
-        preempted, peak = cli_cache_stats(engine, ranks, getattr(engine, "peak_seqs", 0), since=warm)
+        counts = cli_cache_counts(engine, ranks, since=warm)
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
-                  f"overall{cache_note(preempted, peak if paged else None, min(args.max_seqs, args.batch))}")
+                  f"overall{cache_note(counts)}")
         return
     prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
 
@@ -3320,7 +3327,6 @@ def main(argv=None):
         tmp.write_text(json.dumps(settings))
         os.replace(tmp, meta)
     todo = range(start, len(prompts), args.chunk)  # the chunks' first requests; in a round group g takes the g-th
-    peak = 0  # the most sequences the engine ran at once in a chunk
     G = ranks.groups
     with open(partial, "a" if start else "w") if lead else nullcontext() as f, \
             tqdm(desc="generating", unit="chunk", initial=start // args.chunk, total=-(-len(prompts) // args.chunk),
@@ -3331,7 +3337,6 @@ def main(argv=None):
                 first = todo[k + ranks.group]
                 outs = engine.generate(prompts[first:first + args.chunk], params[first:first + args.chunk],
                                        first_index=first)
-                peak = max(peak, getattr(engine, "peak_seqs", 0))
                 text = records(first, outs) if ranks.rank % ranks.ep_size == 0 else None
             texts = [text]
             if G > 1:  # every group's first rank sends its chunk's lines; rank 0 writes them in chunk order
@@ -3346,13 +3351,12 @@ def main(argv=None):
                 bar.update(min(G, len(todo) - k))
         if lead:
             os.fsync(f.fileno())
-    preempted, peak = cli_cache_stats(engine, ranks, peak)
+    counts = cli_cache_counts(engine, ranks)
     if not lead:
         return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
-    could = min(args.max_seqs, args.chunk, len(prompts))
-    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(preempted, peak if paged else None, could)}")
+    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts)}")
 
 
 if __name__ == "__main__":

@@ -85,8 +85,8 @@ from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
 from kernels.quant import fp8_dtype
-from rollout_server import (FP8_SCALE, WATCHDOG, Engine, Output, RolloutClient, SamplingParams, SimpleEngine,
-                            checksum, fault_point, is_fp8_held, phase, serve)
+from rollout_server import (CACHE_COUNTS, FP8_SCALE, WATCHDOG, Engine, Output, RolloutClient, SamplingParams,
+                            SimpleEngine, checksum, fault_point, is_fp8_held, phase, serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -692,14 +692,14 @@ class Collected:
     """A submitted round's outputs, already collected (a checkpoint holds the next step's first round this way)."""
     outs: list
     gen_s: float
-    preemptions: int = 0
+    cache: dict = field(default_factory=dict)  # the rollout's cache_counts over the round (RolloutClient.last_cache)
 
 
 def collected(client: RolloutClient, handle) -> Collected:
     if isinstance(handle, Collected):
         return handle
     outs = client.collect(handle)
-    return Collected(outs, client.last_gen_s, client.last_preemptions)
+    return Collected(outs, client.last_gen_s, client.last_cache)
 
 
 def collect_round(client: RolloutClient, started):
@@ -721,7 +721,7 @@ def save_round(path: Path, started, cfg: RunConfig):
     """A collected first round (collect_round's) as pending.json + pending.safetensors in a checkpoint directory."""
     items, got, version = started
     outs = got.outs
-    meta = {"version": version, "gen_s": got.gen_s, "preemptions": got.preemptions, "settings": round_settings(cfg),
+    meta = {"version": version, "gen_s": got.gen_s, "cache": got.cache, "settings": round_settings(cfg),
             "items": [dataclasses.asdict(it) for it in items],
             "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.token_ids for o in outs],
             "finish": [o.finish_reason for o in outs]}
@@ -751,7 +751,7 @@ def load_round(path: Path, cfg: RunConfig):
             o, r = o + len(tk), r + nr
         if o != len(lp) or r != rt.shape[0]:
             raise ValueError(f"{o} log-probs and {r} routing rows for {len(lp)} and {rt.shape[0]} stored")
-        got = Collected(outs, float(meta["gen_s"]), int(meta.get("preemptions", 0)))  # (none kept before 2026-12-07)
+        got = Collected(outs, float(meta["gen_s"]), {k: int(n) for k, n in meta.get("cache", {}).items()})
         return [Item(**it) for it in meta["items"]], got, int(meta["version"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: corrupt pending rollout round ({type(e).__name__}: {e})") from None
@@ -762,7 +762,7 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
     and each group's generation version (the actor version whose weights the rollout held)."""
     G, P = cfg.train.group_size, cfg.train.prompts_per_step
     kept, dropped, stats = [], [], {"gen_tokens": 0, "reward_sum": 0.0, "correct": 0, "samples": 0, "rounds": 0,
-                                    "gen_s": 0.0, "preemptions": 0}
+                                    "gen_s": 0.0, **dict.fromkeys(CACHE_COUNTS, 0)}
     items, handle, first_version = started
     for rnd in range(1 + (cfg.train.max_refill_rounds if cfg.train.dynamic_sampling else 0)):
         if rnd > 0:
@@ -776,7 +776,8 @@ def finish_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient,
         got = collected(client, handle)
         outs = got.outs
         stats["gen_s"] += got.gen_s
-        stats["preemptions"] += got.preemptions
+        for k in CACHE_COUNTS:
+            stats[k] += got.cache.get(k, 0)
         gen_version = first_version if rnd == 0 else version
         stats["rounds"] += 1
         for j, it in enumerate(items):
@@ -1476,6 +1477,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                      **({"param_nonfinite": ts["param_nonfinite"]} if ts["param_nonfinite"] else {}),
                      "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
                      "rollout_rounds": rs["rounds"], "rollout_preemptions": rs["preemptions"],
+                     "rollout_cache_waits": rs["cache_waits"],
                      "lr": actor.lr_at(actor.opt_steps - 1),
                      "staleness": float(np.mean([step - 1 - v for v in versions])),
                      "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,

@@ -696,9 +696,9 @@ def test_weights_that_do_not_fit_the_device_are_refused_before_it_is_touched(mod
 
 
 def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, monkeypatch):
-    """The CLI's last line says what a cache too small for the batch cost (a silent slowdown otherwise): the most
-    sequences run at once, below what --max-seqs and the batch allowed, and the sequences preempted and recomputed,
-    with what avoids them; the completions are those of a run with room for all (4 sequences at once)."""
+    """The CLI's last line says what a cache too small for the requests cost (a silent slowdown otherwise): the
+    sequences that found a slot free but too few blocks to start, and those preempted and recomputed, with what
+    gives the pools more blocks; the completions are those of a run with room for all."""
     import json
     import rollout_server
     src = tmp_path / "p.jsonl"
@@ -708,18 +708,21 @@ def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, mo
     args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "30", "--max-seqs", "4",
             "--max-model-len", "64", "--n", "2", "--temperature", "0.8"]
     rollout_server.main([*args, "--out", str(tmp_path / "ref.jsonl")])
-    assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (no sequence preempted)" in capsys.readouterr().out
+    assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (none waited for cache blocks or was preempted)" in \
+        capsys.readouterr().out
     engines, real = [], rollout_server.Engine.__init__
-    # 7 usable blocks of 4 entries: all 4 sequences start, then preempt as they grow; 3: at most 3 start
-    for blocks, cost in ((8, ""), (4, "the cache pools held at most 3 of the 4 sequences that could run at once; ")):
+    for blocks in (8, 4):  # 7 usable blocks of 4 entries: all 4 sequences start, then preempt as they grow; 3: 3 start
         monkeypatch.setattr(rollout_server.Engine, "__init__",
                             lambda self, *a, **kw: real(self, *a, **{**kw, "num_blocks": blocks, "block_entries": 4})
                             or engines.append(self))
         out = tmp_path / f"o{blocks}.jsonl"
         rollout_server.main([*args, "--out", str(out)])
-        n = engines[-1].stats["preemptions"]
-        assert n > 0 and f"wrote 8 completions to {out} ({cost}{n} sequence(s) preempted and recomputed: a larger " \
-            f"--mem-fraction" in capsys.readouterr().out
+        waits, n = engines[-1].stats["cache_waits"], engines[-1].stats["preemptions"]
+        assert n > 0 and (waits > 0 or blocks == 8)
+        cost = f"{waits} sequence(s) waited for cache blocks with a slot free; " if waits else ""
+        assert f"wrote 8 completions to {out} ({cost}{n} sequence(s) preempted and recomputed: a larger " \
+            f"--mem-fraction, or a smaller --max-seqs whose slots take a share, gives the cache pools more blocks)" \
+            in capsys.readouterr().out
         want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (tmp_path / "ref.jsonl", out))
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
 
@@ -842,7 +845,7 @@ def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monk
     assert p.returncode != 0 and "o.jsonl.partial.json is missing" in p.stderr, p.stderr[-3000:]
     p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--ep", "1", timeout=300)
     assert p.returncode == 0 and "expert parallel" not in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
-    assert p.stdout.count("completions to") == p.stdout.count("(no sequence preempted)") == 1  # (two groups' counts)
+    assert p.stdout.count("completions to") == p.stdout.count("(none waited for cache blocks or was preempted)") == 1
     same_as_ref()
     with pytest.raises(SystemExit):
         rollout_server.main([*args, "--out", str(out), "--ep", "2"])
@@ -866,7 +869,7 @@ def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     assert len(warm) == len(timed) == 3 and {len(p) for p in warm + timed} == {9}
     assert all(a != b for a in warm for b in timed) and wp.max_tokens == 2 and tp.max_tokens == 4
     out = capsys.readouterr().out
-    assert "3 x (9 prompt + 4 generated) on cpu:" in out and out.rstrip().endswith("(no sequence preempted)")
+    assert "3 x (9 prompt + 4 generated) on cpu:" in out and out.rstrip().endswith("(none waited for cache blocks or was preempted)")
 
 
 def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
@@ -1283,22 +1286,23 @@ def _preempting_rollout(rank: int, port: int, out: str):
         client = rollout_server.RolloutClient([1, 2], None, cpu)
         prompts = _prompts([5, 17, 33, 50, 9, 21, 40, 3])
         outs = client.collect(client.submit(prompts, [GREEDY] * len(prompts), group_size=2))
-        got = {"outputs": len(outs), "preemptions": client.last_preemptions, "gen_s": client.last_gen_s}
+        got = {"outputs": len(outs), **client.last_cache, "gen_s": client.last_gen_s}
         client.stop()
     else:
         cfg = ModelConfig.from_dict(load_yaml("configs/tiny.yaml", ["model.vocab_size=32"])["model"])
         eng = Engine(build_model(cfg, seed=0).eval(), fp8=False, dtype=torch.float32, device=cpu, max_model_len=128,
                      num_blocks=8, block_entries=4, max_seqs=4)
         rollout_server.serve(eng, 0, None, cpu)
-        got = {"preemptions": eng.stats["preemptions"]}
+        got = {k: eng.stats[k] for k in rollout_server.CACHE_COUNTS}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(got, f)
     dist.destroy_process_group()
 
 
-def test_the_driver_hears_how_many_sequences_the_rollout_preempted(tmp_path):
-    """Each reply carries the sequences its engine preempted in that request (the trainer's rollout_preemptions
-    metric): two rollout ranks, each half of the groups, pools too small for them; the driver's count is the sum."""
+def test_the_driver_hears_what_the_rollouts_short_cache_cost(tmp_path):
+    """Each reply carries the sequences its engine preempted, and those that waited for cache blocks, in that request
+    (the trainer's rollout_preemptions and rollout_cache_waits metrics): two rollout ranks, each half of the groups,
+    pools too small for them; the driver's counts are the sums."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -1310,5 +1314,6 @@ def test_the_driver_hears_how_many_sequences_the_rollout_preempted(tmp_path):
             pytest.fail("the three ranks did not finish in 240 s")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert got[0]["outputs"] == 8 and got[0]["gen_s"] > 0
-    assert got[1]["preemptions"] > 0 and got[2]["preemptions"] > 0
-    assert got[0]["preemptions"] == got[1]["preemptions"] + got[2]["preemptions"], got
+    for k in ("preemptions", "cache_waits"):
+        assert got[1][k] > 0 and got[2][k] > 0, got
+        assert got[0][k] == got[1][k] + got[2][k], got
