@@ -108,7 +108,7 @@ def run(engine: Engine, B: int, prompt_len: int, gen_len: int, seed: int = 0) ->
             B * cache_bytes(cfg, prompt_len + t, esize, every)
     return {"batch": B, "prompt_len": prompt_len, "gen_len": gen_len, "total_s": total,
             "prefill_s": st["prefill_s"], "decode_s": st["decode_s"], "decode_steps": st["decode_steps"],
-            "preemptions": st["preemptions"],
+            "preemptions": st["preemptions"], "cache_waits": st["cache_waits"],
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_s"],
             "generated_tokens_per_s": B * gen_len / total, "step_ms": 1e3 * st["decode_s"] / max(st["decode_steps"], 1),
             "decode_gb_s": step_bytes / st["decode_s"] / 1e9, "bytes_per_step_mb": step_bytes / max(gen_len - 1, 1) / 1e6}
