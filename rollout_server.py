@@ -3286,7 +3286,7 @@ def main(argv=None):
         # the same batch and lengths with other tokens first (no prefix shared with the timed prompts): the kernels
         # for these sizes compile and the batch's CUDA graph is captured before the clock starts
         engine.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
-        warm = cache_counts(engine)
+        before = cache_counts(engine)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -3295,7 +3295,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
-        counts = cli_cache_counts(engine, ranks, since=warm)
+        counts = cli_cache_counts(engine, ranks, since=before)
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
