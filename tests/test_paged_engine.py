@@ -1280,6 +1280,7 @@ def test_weight_applier_equals_update_weights(model, send_dtype, fp8_send, ep, m
 def _preempting_rollout(rank: int, port: int, out: str):
     """Rank 0 drives, ranks 1 and 2 serve with pools too small for their requests (test below)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # (three processes on CI's two cores: more threads each oversubscribe them, 5x slower)
     dist.init_process_group("gloo", rank=rank, world_size=3)
     cpu = torch.device("cpu")
     if rank == 0:
