@@ -714,8 +714,8 @@ def test_engine_counts_its_weights_and_refuses_too_many_before_taking_any(monkey
     m = _engine_model()
     counted = []
     check = rollout_server.check_weights_fit
-    monkeypatch.setattr(rollout_server, "check_weights_fit",
-                        lambda model, device: counted.append(rollout_server.held_bytes(model)[0]) or check(model, device))
+    monkeypatch.setattr(rollout_server, "check_weights_fit", lambda model, device:
+                        counted.append(rollout_server.held_bytes(model)[0]) or check(model, device))
     for fp8 in (True, False):
         gc.collect()  # (earlier engines' models hold reference cycles: freed now, not inside the measured call)
         torch.cuda.synchronize()

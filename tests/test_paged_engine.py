@@ -680,7 +680,8 @@ def test_weights_that_do_not_fit_the_device_are_refused_before_it_is_touched(mod
     need, experts = held(inference), 0
     for m in inference.modules():
         if type(m) is rollout_server.EngineExperts:  # (the routed experts' rows: not a folded shared expert's)
-            experts += sum(m.routed(n).nbytes for n in ("w1", "w2", "w3", "s1", "s2", "s3") if getattr(m, n) is not None)
+            experts += sum(m.routed(n).nbytes for n in ("w1", "w2", "w3", "s1", "s2", "s3")
+                           if getattr(m, n) is not None)
     monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: need)
     Engine(model, fp8=fp8, device="cpu", max_model_len=64, max_seqs=2)  # (exactly enough)
     gib = 2 ** -30
@@ -869,7 +870,8 @@ def test_cli_bench_warms_up_the_timed_batch(capsys, monkeypatch):
     assert len(warm) == len(timed) == 3 and {len(p) for p in warm + timed} == {9}
     assert all(a != b for a in warm for b in timed) and wp.max_tokens == 2 and tp.max_tokens == 4
     out = capsys.readouterr().out
-    assert "3 x (9 prompt + 4 generated) on cpu:" in out and out.rstrip().endswith("(none waited for cache blocks or was preempted)")
+    assert "3 x (9 prompt + 4 generated) on cpu:" in out
+    assert out.rstrip().endswith("(none waited for cache blocks or was preempted)")
 
 
 def test_cli_default_max_model_len_fits_the_requests(tmp_path, monkeypatch):
