@@ -696,10 +696,8 @@ class Collected:
 
 
 def collected(client: RolloutClient, handle) -> Collected:
-    if isinstance(handle, Collected):
-        return handle
-    outs = client.collect(handle)
-    return Collected(outs, client.last_gen_s, client.last_cache)
+    return handle if isinstance(handle, Collected) else \
+        Collected(client.collect(handle), client.last_gen_s, client.last_cache)  # (collect sets last_*: first)
 
 
 def collect_round(client: RolloutClient, started):
@@ -1476,8 +1474,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                         if k in ts},
                      **({"param_nonfinite": ts["param_nonfinite"]} if ts["param_nonfinite"] else {}),
                      "response_len": float(batch["loss_mask"].sum(-1).mean()), "groups_kept": rs["groups_kept"],
-                     "rollout_rounds": rs["rounds"], "rollout_preemptions": rs["preemptions"],
-                     "rollout_cache_waits": rs["cache_waits"],
+                     "rollout_rounds": rs["rounds"], **{f"rollout_{k}": rs[k] for k in CACHE_COUNTS},
                      "lr": actor.lr_at(actor.opt_steps - 1),
                      "staleness": float(np.mean([step - 1 - v for v in versions])),
                      "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_sync_s": t3 - t2,
