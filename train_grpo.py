@@ -749,7 +749,8 @@ def load_round(path: Path, cfg: RunConfig):
             o, r = o + len(tk), r + nr
         if o != len(lp) or r != rt.shape[0]:
             raise ValueError(f"{o} log-probs and {r} routing rows for {len(lp)} and {rt.shape[0]} stored")
-        got = Collected(outs, float(meta["gen_s"]), {k: int(n) for k, n in meta.get("cache", {}).items()})
+        cache = meta.get("cache", {"preemptions": meta.get("preemptions", 0)})  # before "cache": preemptions only
+        got = Collected(outs, float(meta["gen_s"]), {k: int(n) for k, n in cache.items()})
         return [Item(**it) for it in meta["items"]], got, int(meta["version"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: corrupt pending rollout round ({type(e).__name__}: {e})") from None

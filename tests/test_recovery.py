@@ -90,6 +90,12 @@ def test_off_policy_resume_repeats_the_uninterrupted_run(tmp_path):
     ck = tmp_path / "run" / "checkpoints" / "step_000002"
     items, got, version = train_grpo.load_round(ck, cfg)
     assert len(got.outs) == len(items) * cfg.train.group_size and version == 1
+    assert got.cache == {"preemptions": 0, "cache_waits": 0}
+    # a round kept before the cache counts had a key of their own held its preemptions only
+    meta = json.loads((ck / "pending.json").read_text())
+    del meta["cache"]
+    (ck / "pending.json").write_text(json.dumps({**meta, "preemptions": 3}))
+    assert train_grpo.load_round(ck, cfg)[1].cache == {"preemptions": 3}
     other = RunConfig.load("configs/tiny.yaml", [*recovery.SMALL, *X, "train.group_size=2"])
     assert train_grpo.load_round(ck, other) is None
 
