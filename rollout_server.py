@@ -489,7 +489,7 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
     as set_dtype casts them (none beside the caller's, on its device or another; one holding only some experts,
     load_pretrained's experts=, is copied; stream=False copies any model whole first, the twin). Under expert
     parallelism only this rank's experts are read from a checkpoint. On a GPU, held tensors that exceed its free
-    memory are refused before any is made (check_weights_fit). cfg: a checkpoint directory's config, where the
+    memory are refused before any is made there (check_weights_fit). cfg: a checkpoint directory's config, where the
     caller has read it already (None: read from its config.json)."""
     if scale_fmt not in (None, "fp32", "ue8m0"):
         raise ValueError(f"fp8_scale_fmt={scale_fmt!r}: fp32 or ue8m0")
@@ -512,18 +512,14 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
         model = (meta_copy(source) if source is not None else copy.deepcopy(model_or_path)).set_dtype(dtype)
     model.eval().requires_grad_(False)
     scale_fmt = scale_fmt or "fp32"
-    q = fp8_dtype(device) if fp8 else None
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
-                setattr(parent, name, FP8Linear(onto(child.weight.data, device), q, scale_fmt, dtype))
-            elif type(child) is Experts:
-                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device,
-                                                    model.cfg.n_routed_experts))
+    # the holders counted against the device's free memory before any is made there (a release's load takes
+    # minutes): on meta, the model's own; a model copied whole (the twin, one with some experts), a meta copy's
     if any(t.is_meta for t in model.parameters()):  # (the holders' shapes and dtypes made on meta too)
-        check_weights_fit(model, device)  # before the device's memory is taken (a release's load takes minutes)
+        check_weights_fit(swap_holders(model, fp8, scale_fmt, dtype, ep, device), device)
         model.to_empty(device=device).tie_weights()
+    else:
+        check_weights_fit(swap_holders(meta_copy(model), fp8, scale_fmt, dtype, ep, device), device)
+        swap_holders(model, fp8, scale_fmt, dtype, ep, device)
     model.to(device).reset_buffers()  # the rest: embeddings, head, norms, router, mHC, compressors
     for mod in model.modules():  # after the swaps: the linears are FP8 holders by now
         if isinstance(mod, MoE) and mod.shared_experts is not None:
@@ -544,6 +540,21 @@ def prepare_inference_model(model_or_path, fp8: bool, dtype: torch.dtype, device
                    sink)
     elif source is not None:
         update_weights(model, ((n, Transformer.held_as(n, t, dtype)) for n, t in source.stored_state().items()))
+    return model
+
+
+def swap_holders(model: Transformer, fp8: bool, scale_fmt: str, dtype: torch.dtype, ep, device) -> Transformer:
+    """model with the engine's holders in place of its modules: FP8 linears (fp8=True; the release's FP8 set) and
+    the routed experts behind the grouped kernel, each made on device (meta weights stay meta)."""
+    q = fp8_dtype(device) if fp8 else None
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if fp8 and type(child) is Linear and FP8_LINEAR.search(full + ".weight"):
+                setattr(parent, name, FP8Linear(onto(child.weight.data, device), q, scale_fmt, dtype))
+            elif type(child) is Experts:
+                setattr(parent, name, EngineExperts(child, q, scale_fmt, dtype, ep, device,
+                                                    model.cfg.n_routed_experts))
     return model
 
 

@@ -688,12 +688,17 @@ def test_weights_that_do_not_fit_the_device_are_refused_before_it_is_touched(mod
     for free, hint in ((need - 1, "split the routed experts over more ranks"),
                        (need - experts - 1, "the rest alone exceeds it")):
         monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: free)
-        with pytest.raises(ValueError) as e:
-            Engine(model, fp8=fp8, device="cpu", max_model_len=64, max_seqs=2)
-        assert str(e.value).startswith(
-            f"invalid engine arguments: the weights do not fit: this rank would hold {need * gib:.3g} GiB of them "
-            f"({experts * gib:.3g} GiB the routed experts, split over ep=1 rank(s); {(need - experts) * gib:.3g} GiB "
-            f"the rest) against the {free * gib:.3g} GiB free on cpu: {hint}")
+        # the engine (the model streamed into holders made on meta) and the twin that copies the model whole first
+        for make in (lambda: Engine(model, fp8=fp8, device="cpu", max_model_len=64, max_seqs=2),
+                     lambda: rollout_server.prepare_inference_model(model, fp8, torch.bfloat16, "cpu", stream=False)):
+            with pytest.raises(ValueError) as e:
+                make()
+            assert str(e.value).startswith(
+                f"invalid engine arguments: the weights do not fit: this rank would hold {need * gib:.3g} GiB of "
+                f"them ({experts * gib:.3g} GiB the routed experts, split over ep=1 rank(s); "
+                f"{(need - experts) * gib:.3g} GiB the rest) against the {free * gib:.3g} GiB free on cpu: {hint}")
+    monkeypatch.setattr(rollout_server, "free_device_memory", lambda device: need)
+    assert held(rollout_server.prepare_inference_model(model, fp8, torch.bfloat16, "cpu", stream=False)) == need
 
 
 def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, monkeypatch):
