@@ -567,10 +567,15 @@ def free_device_memory(device: torch.device) -> int | None:
 
 
 def held_bytes(model: nn.Module) -> tuple[int, int]:
-    """Bytes of the model's parameters and buffers (each tensor once, on meta too: what they will take), and of
-    those the experts' stacks (EngineExperts) hold: the routed experts' until fold_shared adds a shared one."""
-    sizes = {id(t): (t.numel() * t.element_size(), isinstance(m, EngineExperts))
-             for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    """Bytes of the model's parameters and buffers (on meta, each tensor once: what they will take; else each
+    storage once: a folded shared expert's linears are views of the stacks), and of those the experts' stacks
+    (EngineExperts) hold: the routed experts' until fold_shared adds a shared one."""
+    sizes = {}
+    for m in model.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            key, n = ((id(t), t.numel() * t.element_size()) if t.is_meta else
+                      (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            sizes[key] = n, sizes.get(key, (0, False))[1] or isinstance(m, EngineExperts)
     return sum(n for n, _ in sizes.values()), sum(n for n, e in sizes.values() if e)
 
 
@@ -1204,6 +1209,16 @@ class SimpleEngine:
         self.cfg, self.device, self.dtype = self.model.cfg, device, dtype
         self.max_batch_tokens = max_batch_tokens
         self.record_index = record_index
+
+    def footprint(self) -> dict:
+        """What the engine holds: bytes of its weights ("weights") and of its cache's state ("cache"), and how many
+        sequences of max_model_len, none sharing a prompt, the cache's blocks hold at once ("room"; at most
+        max_seqs, the slots)."""
+        c = self.cache
+        state = [*c.slot_tensors(), *(t for k in c.paged for t in c.block_tensors(k))]
+        full = c.blocks_for(self.max_model_len)
+        room = min([self.max_seqs, *((len(c.alloc[k].ref) - 1) // n for k, n in full.items() if n)])
+        return {"weights": held_bytes(self.model)[0], "cache": sum(t.nbytes for t in state), "room": room}
 
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
@@ -2039,6 +2054,16 @@ class Engine:
                              f"or max_model_len, or raise mem_fraction")
         scale = min(1.0, (budget - least) / max(sum(per_block[k] * (full[k] - need[k]) for k in full), 1))
         return {k: need[k] + int((full[k] - need[k]) * scale) for k in full}
+
+    def footprint(self) -> dict:
+        """What the engine holds: bytes of its weights ("weights") and of its cache's state ("cache"), and how many
+        sequences of max_model_len, none sharing a prompt, the cache's blocks hold at once ("room"; at most
+        max_seqs, the slots)."""
+        c = self.cache
+        state = [*c.slot_tensors(), *(t for k in c.paged for t in c.block_tensors(k))]
+        full = c.blocks_for(self.max_model_len)
+        room = min([self.max_seqs, *((len(c.alloc[k].ref) - 1) // n for k, n in full.items() if n)])
+        return {"weights": held_bytes(self.model)[0], "cache": sum(t.nbytes for t in state), "room": room}
 
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
@@ -3288,6 +3313,12 @@ def main(argv=None):
     if ep is not None and lead:
         ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
         print(f"expert parallel: each of {ep[1]} ranks holds {ex.n_local} of the {ex.n_total} routed experts a layer")
+    if args.engine == "paged" and lead:
+        fp, gib = engine.footprint(), 2 ** -30
+        print(f"engine on {ranks}: {'rank 0 holds ' if ranks.world > 1 else ''}weights {fp['weights'] * gib:.3g} "
+              f"GiB ({'BF16' if args.bf16 else 'FP8'}) and a cache of {fp['cache'] * gib:.3g} GiB, whose blocks hold "
+              f"{fp['room']} sequence(s) of --max-model-len {args.max_model_len} at once (--max-seqs "
+              f"{args.max_seqs})", flush=True)
     if yaml_model:
         engine.update_weights((n, Transformer.held_as(n, t, dtype)) for n, t in model.random_state(args.seed,
                                                                                                    device=device))

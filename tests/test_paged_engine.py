@@ -713,22 +713,39 @@ def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, mo
                                           "ignore_eos": True}) for n in (9, 4, 12, 7)))
     args = ["--model", "configs/tiny.yaml", "--prompts", str(src), "--max-tokens", "30", "--max-seqs", "4",
             "--max-model-len", "64", "--n", "2", "--temperature", "0.8"]
-    rollout_server.main([*args, "--out", str(tmp_path / "ref.jsonl")])
-    assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (none waited for cache blocks or was preempted)" in \
-        capsys.readouterr().out
     engines, real = [], rollout_server.Engine.__init__
+    monkeypatch.setattr(rollout_server.Engine, "__init__", lambda self, *a, **kw: real(self, *a, **kw)
+                        or engines.append(self))
+    rollout_server.main([*args, "--out", str(tmp_path / "ref.jsonl")])
+    said = capsys.readouterr().out
+
+    def says_its_footprint(eng, room):
+        """The start's line: the weights held, the cache's bytes (counted from its shapes) and the sequences of
+        --max-model-len its blocks hold at once (a sequence takes 64 / 4 CSA entries, 64 / 16 HCA, in blocks of BE)."""
+        gib, BE = 2 ** -30, eng.cache.BE
+        n_blocks = {k: len(a.ref) for k, a in eng.cache.alloc.items()}
+        assert room == min(4, (n_blocks["csa"] - 1) // -(-16 // BE), (n_blocks["hca"] - 1) // -(-4 // BE))
+        cache = rollout_server.PagedCache.nbytes(eng.model, 4, n_blocks, BE, eng.dtype)
+        weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                       for t in [*eng.model.parameters(), *eng.model.buffers()]}.values())
+        return f"engine on cpu: weights {weights * gib:.3g} GiB (FP8) and a cache of {cache * gib:.3g} GiB, whose " \
+            f"blocks hold {room} sequence(s) of --max-model-len 64 at once (--max-seqs 4)\n" in said
+    assert says_its_footprint(engines[-1], 4)
+    assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (none waited for cache blocks or was preempted)" in said
     for blocks in (8, 4):  # 7 usable blocks of 4 entries: all 4 sequences start, then preempt as they grow; 3: 3 start
         monkeypatch.setattr(rollout_server.Engine, "__init__",
                             lambda self, *a, **kw: real(self, *a, **{**kw, "num_blocks": blocks, "block_entries": 4})
                             or engines.append(self))
         out = tmp_path / f"o{blocks}.jsonl"
         rollout_server.main([*args, "--out", str(out)])
+        said = capsys.readouterr().out
+        assert says_its_footprint(engines[-1], 1 if blocks == 8 else 0)  # (4 CSA blocks a sequence of 64)
         waits, n = engines[-1].stats["cache_waits"], engines[-1].stats["preemptions"]
         assert n > 0 and (waits > 0 or blocks == 8)
         cost = f"{waits} sequence(s) waited for cache blocks with a slot free; " if waits else ""
         assert f"wrote 8 completions to {out} ({cost}{n} sequence(s) preempted and recomputed: a larger " \
             f"--mem-fraction, or a smaller --max-seqs whose slots take a share, gives the cache pools more blocks)" \
-            in capsys.readouterr().out
+            in said
         want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (tmp_path / "ref.jsonl", out))
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
 
