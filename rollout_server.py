@@ -1210,16 +1210,6 @@ class SimpleEngine:
         self.max_batch_tokens = max_batch_tokens
         self.record_index = record_index
 
-    def footprint(self) -> dict:
-        """What the engine holds: bytes of its weights ("weights") and of its cache's state ("cache"), and how many
-        sequences of max_model_len, none sharing a prompt, the cache's blocks hold at once ("room"; at most
-        max_seqs, the slots)."""
-        c = self.cache
-        state = [*c.slot_tensors(), *(t for k in c.paged for t in c.block_tensors(k))]
-        full = c.blocks_for(self.max_model_len)
-        room = min([self.max_seqs, *((len(c.alloc[k].ref) - 1) // n for k, n in full.items() if n)])
-        return {"weights": held_bytes(self.model)[0], "cache": sum(t.nbytes for t in state), "room": room}
-
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
 
