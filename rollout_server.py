@@ -2046,14 +2046,23 @@ class Engine:
         return {k: need[k] + int((full[k] - need[k]) * scale) for k in full}
 
     def footprint(self) -> dict:
-        """What the engine holds: bytes of its weights ("weights") and of its cache's state ("cache"), and how many
-        sequences of max_model_len, none sharing a prompt, the cache's blocks hold at once ("room"; at most
-        max_seqs, the slots)."""
+        """What the engine holds: bytes of its weights ("weights"; "fp8": whether its FP8 set is FP8) and of its
+        cache's state ("cache"), and how many sequences of max_model_len, none sharing a prompt, the cache's blocks
+        hold at once ("room"; at most max_seqs, the slots)."""
         c = self.cache
         state = [*c.slot_tensors(), *(t for k in c.paged for t in c.block_tensors(k))]
         full = c.blocks_for(self.max_model_len)
         room = min([self.max_seqs, *((len(c.alloc[k].ref) - 1) // n for k, n in full.items() if n)])
-        return {"weights": held_bytes(self.model)[0], "cache": sum(t.nbytes for t in state), "room": room}
+        return {"weights": held_bytes(self.model)[0], "fp8": self.runner.fp8 is not None,
+                "cache": sum(t.nbytes for t in state), "room": room}
+
+    def footprint_note(self, max_model_len: str = "max_model_len", max_seqs: str = "max_seqs") -> str:
+        """footprint() in words; the names are those of the settings that sized the cache (the CLI's flags, a
+        run's config keys)."""
+        fp, gib = self.footprint(), 2 ** -30
+        return (f"weights {fp['weights'] * gib:.3g} GiB ({'FP8' if fp['fp8'] else 'BF16'}) and a cache of "
+                f"{fp['cache'] * gib:.3g} GiB, whose blocks hold {fp['room']} sequence(s) of {max_model_len} "
+                f"{self.max_model_len} at once ({max_seqs} {self.max_seqs})")
 
     def update_weights(self, named_tensors):
         update_weights(self.model, named_tensors)
@@ -3304,11 +3313,8 @@ def main(argv=None):
         ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
         print(f"expert parallel: each of {ep[1]} ranks holds {ex.n_local} of the {ex.n_total} routed experts a layer")
     if args.engine == "paged" and lead:
-        fp, gib = engine.footprint(), 2 ** -30
-        print(f"engine on {ranks}: {'rank 0 holds ' if ranks.world > 1 else ''}weights {fp['weights'] * gib:.3g} "
-              f"GiB ({'BF16' if args.bf16 else 'FP8'}) and a cache of {fp['cache'] * gib:.3g} GiB, whose blocks hold "
-              f"{fp['room']} sequence(s) of --max-model-len {args.max_model_len} at once (--max-seqs "
-              f"{args.max_seqs})", flush=True)
+        print(f"engine on {ranks}: {'rank 0 holds ' if ranks.world > 1 else ''}"
+              f"{engine.footprint_note('--max-model-len', '--max-seqs')}", flush=True)
     if yaml_model:
         engine.update_weights((n, Transformer.held_as(n, t, dtype)) for n, t in model.random_state(args.seed,
                                                                                                    device=device))

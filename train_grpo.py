@@ -1620,7 +1620,13 @@ def run_rollout(cfg: RunConfig, d: Dist):
     model = build_model(cfg.model, "meta", DTYPES[cfg.rollout.dtype], seed=None)
     engine = make_engine(cfg, model, d.device, d.rollout_ep)
     del model
-    serve(engine, 0, d.sync_group, d.device, reply=d.rollout_ep is None or d.rollout_ep[2] == 0)
+    lead = d.rollout_ep is None or d.rollout_ep[2] == 0  # (a group's ranks run one schedule: its first speaks)
+    if lead and isinstance(engine, Engine):
+        t, groups = cfg.train, (d.world - d.n_actor) // cfg.rollout.ep
+        note = engine.footprint_note("rollout.max_model_len", "rollout.max_seqs")
+        print(f"rollout rank {d.rank}: engine on {d.device}: {note}; a step's first round asks {t.prompts_per_step} x "
+              f"{t.group_size} sequences of the {groups} rollout group(s)", flush=True)
+    serve(engine, 0, d.sync_group, d.device, reply=lead)
 
 
 def quiet_exit(rank: int, grace_s: float = 10.0):

@@ -1,6 +1,7 @@
 """Weight sync (exact FP8 weights on the rollout after a sync, from FSDP- and EP-sharded actors), off-policy
 overlap, and the multi-node launch script: three torchrun agents with --nnodes 3 on 127.0.0.1."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from rollout_server import bucket_layout, bucket_plan
 from tests.recovery import N_ACTOR, ROOT, SMALL, finish, launch, metrics
+from train_grpo import RunConfig
 
 
 @pytest.mark.parametrize("extra", [[], ["train.ep=2"], ["rollout.sync_fp8=false", "rollout.dtype=bf16"],
@@ -92,6 +94,14 @@ def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_pat
     assert all(p.returncode == 0 for p in procs.values()), {n: log[-2000:] for n, log in logs.items()}
     assert "roles: actor ranks 0-1 on nodes ['0', '1'], rollout ranks 2-2 on nodes ['2']" in logs[0], logs[0][-2000:]
     assert "--resume auto: no complete checkpoint" in logs[0]  # the script always resumes (a restarted job goes on)
+    # the rollout rank says what its engine holds (on the CPU its pools are sized in full: a block table each slot)
+    cfg = RunConfig.load("configs/tiny.yaml", SMALL)
+    r, t = cfg.rollout, cfg.train
+    assert re.search(rf"rollout rank 2: engine on cpu: weights [0-9.e-]+ GiB \((FP8|BF16)\) and a cache of [0-9.e-]+ "
+                     rf"GiB, whose blocks hold {r.max_seqs} sequence\(s\) of rollout.max_model_len {r.max_model_len} "
+                     rf"at once \(rollout.max_seqs {r.max_seqs}\); a step's first round asks {t.prompts_per_step} x "
+                     rf"{t.group_size} sequences of the 1 rollout group\(s\)", logs[2]), logs[2][-2000:]
+    assert f"({'FP8' if r.fp8 else 'BF16'})" in logs[2]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
