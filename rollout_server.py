@@ -558,6 +558,13 @@ def swap_holders(model: Transformer, fp8: bool, scale_fmt: str, dtype: torch.dty
     return model
 
 
+def size_text(n: int) -> str:
+    """Bytes in GiB, MiB or KiB (the largest that keeps a unit or more), three significant digits."""
+    unit = next(u for u in range(3, 0, -1) if n >= 1024 ** u or u == 1)
+    v = n / 1024 ** unit
+    return f"{v:.3g} {'KMG'[unit - 1]}iB" if v < 1000 else f"{v:.0f} {'KMG'[unit - 1]}iB"
+
+
 def free_device_memory(device: torch.device) -> int | None:
     """Bytes free on a GPU, what earlier frees left in torch's cache included; None on the CPU (no fixed budget)."""
     if device.type != "cuda":
@@ -2059,9 +2066,9 @@ class Engine:
     def footprint_note(self, max_model_len: str = "max_model_len", max_seqs: str = "max_seqs") -> str:
         """footprint() in words; the names are those of the settings that sized the cache (the CLI's flags, a
         run's config keys)."""
-        fp, gib = self.footprint(), 2 ** -30
-        return (f"weights {fp['weights'] * gib:.3g} GiB ({'FP8' if fp['fp8'] else 'BF16'}) and a cache of "
-                f"{fp['cache'] * gib:.3g} GiB, whose blocks hold {fp['room']} sequence(s) of {max_model_len} "
+        fp = self.footprint()
+        return (f"weights {size_text(fp['weights'])} ({'FP8' if fp['fp8'] else 'BF16'}) and a cache of "
+                f"{size_text(fp['cache'])}, whose blocks hold {fp['room']} sequence(s) of {max_model_len} "
                 f"{self.max_model_len} at once ({max_seqs} {self.max_seqs})")
 
     def update_weights(self, named_tensors):

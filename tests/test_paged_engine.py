@@ -722,15 +722,17 @@ def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, mo
     def says_its_footprint(eng, room):
         """The start's line: the weights held, the cache's bytes (counted from its shapes) and the sequences of
         --max-model-len its blocks hold at once (a sequence takes 64 / 4 CSA entries, 64 / 16 HCA, in blocks of BE)."""
-        gib, BE = 2 ** -30, eng.cache.BE
+        BE = eng.cache.BE
         n_blocks = {k: len(a.ref) for k, a in eng.cache.alloc.items()}
         assert room == min(4, (n_blocks["csa"] - 1) // -(-16 // BE), (n_blocks["hca"] - 1) // -(-4 // BE))
         cache = rollout_server.PagedCache.nbytes(eng.model, 4, n_blocks, BE, eng.dtype)
         weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                        for t in [*eng.model.parameters(), *eng.model.buffers()]}.values())
-        return f"engine on cpu: weights {weights * gib:.3g} GiB (FP8) and a cache of {cache * gib:.3g} GiB, whose " \
-            f"blocks hold {room} sequence(s) of --max-model-len 64 at once (--max-seqs 4)\n" in said
+        return f"engine on cpu: weights {weights / 1024:.3g} KiB (FP8) and a cache of {cache / 1024:.3g} KiB, " \
+            f"whose blocks hold {room} sequence(s) of --max-model-len 64 at once (--max-seqs 4)\n" in said
     assert says_its_footprint(engines[-1], 4)
+    assert [rollout_server.size_text(n) for n in (100, 1536, 1023 << 10, 5 << 20, 3 << 30, 1300 << 30)] == \
+        ["0.0977 KiB", "1.5 KiB", "1023 KiB", "5 MiB", "3 GiB", "1300 GiB"]
     assert f"wrote 8 completions to {tmp_path / 'ref.jsonl'} (none waited for cache blocks or was preempted)" in said
     for blocks in (8, 4):  # 7 usable blocks of 4 entries: all 4 sequences start, then preempt as they grow; 3: 3 start
         monkeypatch.setattr(rollout_server.Engine, "__init__",

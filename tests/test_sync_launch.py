@@ -97,10 +97,11 @@ def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_pat
     # the rollout rank says what its engine holds (on the CPU its pools are sized in full: a block table each slot)
     cfg = RunConfig.load("configs/tiny.yaml", SMALL)
     r, t = cfg.rollout, cfg.train
-    assert re.search(rf"rollout rank 2: engine on cpu: weights [0-9.e-]+ GiB \((FP8|BF16)\) and a cache of [0-9.e-]+ "
-                     rf"GiB, whose blocks hold {r.max_seqs} sequence\(s\) of rollout.max_model_len {r.max_model_len} "
-                     rf"at once \(rollout.max_seqs {r.max_seqs}\); a step's first round asks {t.prompts_per_step} x "
-                     rf"{t.group_size} sequences of the 1 rollout group\(s\)", logs[2]), logs[2][-2000:]
+    assert re.search(rf"rollout rank 2: engine on cpu: weights [0-9.]+ [KMG]iB \((FP8|BF16)\) and a cache of "
+                     rf"[0-9.]+ [KMG]iB, whose blocks hold {r.max_seqs} sequence\(s\) of rollout.max_model_len "
+                     rf"{r.max_model_len} at once \(rollout.max_seqs {r.max_seqs}\); a step's first round asks "
+                     rf"{t.prompts_per_step} x {t.group_size} sequences of the 1 rollout group\(s\)", logs[2]), \
+        logs[2][-2000:]
     assert f"({'FP8' if r.fp8 else 'BF16'})" in logs[2]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
