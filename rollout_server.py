@@ -1107,6 +1107,9 @@ def stop_reason(tok: int, n_tokens: int, params: SamplingParams, eos: tuple = ()
     return "length" if n_tokens >= params.max_tokens else None
 
 
+BLOCK_ENTRIES = 64  # entries a cache block holds (Engine's default block_entries)
+
+
 def check_sizes(**sizes):
     """An engine's sizes: integers >= 1, a bad one named (before the model loads)."""
     bad = [f"{k}={v!r}" for k, v in sizes.items()
@@ -1971,7 +1974,7 @@ class Engine:
 
     def __init__(self, model_or_path, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, device=None,
                  fp8_scale_fmt: str | None = None, max_seqs: int = 256, max_model_len: int = 4096,
-                 block_entries: int = 64, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
+                 block_entries: int = BLOCK_ENTRIES, mem_fraction: float = 0.85, num_blocks: int | dict | None = None,
                  max_batch_tokens: int = 8192, cuda_graphs: bool = True, progress: bool = False, ep=None,
                  pipeline: bool = True, record_index: bool = False, cfg: ModelConfig | None = None):
         """ep: (process group, size, rank) of rollout expert parallelism: the group's ranks run identical steps
@@ -2028,14 +2031,20 @@ class Engine:
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
         full = {k: self.max_seqs * n + 1 for k, n in most.items()}  # (+ 1: block 0 is scratch)
-        if isinstance(num_blocks, dict):  # a pool no layer writes may be left out (it holds no bytes; checked above)
-            return {**full, **{k: int(n) for k, n in num_blocks.items()}}
-        if num_blocks is not None:
-            return {k: int(num_blocks) for k in full}
+        size = functools.partial(PagedCache.nbytes, self.model, self.max_seqs, block_entries=BE, dtype=self.dtype)
+        if num_blocks is not None:  # fixed (a dict may leave out a pool no layer writes: no bytes; checked above)
+            fixed = ({**full, **{k: int(n) for k, n in num_blocks.items()}} if isinstance(num_blocks, dict) else
+                     {k: int(num_blocks) for k in full})
+            free = free_device_memory(self.device)  # (a GPU's: the pools are not made before they are known to fit)
+            if free is not None and size(fixed) > free:
+                gib = 2 ** -30
+                raise ValueError(f"invalid engine arguments: the cache does not fit: num_blocks={num_blocks!r} for "
+                                 f"max_seqs={self.max_seqs} sequences take {size(fixed) * gib:.2f} GiB against the "
+                                 f"{free * gib:.2f} GiB free after the weights: fewer blocks or sequences")
+            return fixed
         if self.device.type != "cuda":
             return full
         zero = dict.fromkeys(full, 0)
-        size = functools.partial(PagedCache.nbytes, self.model, self.max_seqs, block_entries=BE, dtype=self.dtype)
         fixed = size(zero)  # the slots' rows: window rings and compressor state
         per_block = {k: size({**zero, k: 1}) - fixed for k in full}
         need = {k: n + 1 for k, n in most.items()}  # the least that serves: one sequence of max_model_len
@@ -3111,15 +3120,16 @@ def cli_cache_counts(engine, ranks: CliRanks, since: dict | None = None) -> dict
     return mine if ranks.rank == 0 else dict.fromkeys(mine, 0)
 
 
-def cache_note(counts: dict) -> str:
-    """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise)."""
+def cache_note(counts: dict, more: str = "a larger --mem-fraction, or a smaller --max-seqs whose slots take a "
+                                         "share,") -> str:
+    """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise).
+    more: the settings that give the pools more blocks (the CLI's flags; a run's config keys)."""
     cost = [f"{counts['cache_waits']} sequence(s) waited for cache blocks with a slot free"] \
         if counts["cache_waits"] else []
     cost += [f"{counts['preemptions']} sequence(s) preempted and recomputed"] if counts["preemptions"] else []
     if not cost:
         return " (none waited for cache blocks or was preempted)"
-    return f" ({'; '.join(cost)}: a larger --mem-fraction, or a smaller --max-seqs whose slots take a share, " \
-           f"gives the cache pools more blocks)"
+    return f" ({'; '.join(cost)}: {more} gives the cache pools more blocks)"
 
 
 def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:

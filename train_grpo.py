@@ -85,8 +85,9 @@ from model.tasks import DigitTask, Item, JsonlTask
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
 from kernels.quant import fp8_dtype
-from rollout_server import (CACHE_COUNTS, FP8_SCALE, WATCHDOG, Engine, Output, RolloutClient, SamplingParams,
-                            SimpleEngine, checksum, fault_point, is_fp8_held, phase, serve)
+from rollout_server import (BLOCK_ENTRIES, CACHE_COUNTS, FP8_SCALE, WATCHDOG, Engine, Output, PagedCache,
+                            RolloutClient, SamplingParams, SimpleEngine, cache_note, checksum, fault_point,
+                            is_fp8_held, phase, serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -221,6 +222,7 @@ class RolloutConfig:
     ep: int = 1                       # routed experts split over this many rollout ranks
     max_model_len: int = 4096         # prompt + completion tokens a sequence may reach
     mem_fraction: float = 0.85        # of the GPU memory left after the weights, for the cache pools
+    num_blocks: int = 0               # cache blocks a pool, fixed (0: as many as mem_fraction gives; the CPU: in full)
     cuda_graphs: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
@@ -246,6 +248,7 @@ class RolloutConfig:
         _need(self, "max_seqs", self.max_seqs >= 1, ">= 1")
         _need(self, "ep", self.ep >= 1, ">= 1")
         _need(self, "mem_fraction", 0 < self.mem_fraction <= 1, "in (0, 1]")
+        _need(self, "num_blocks", self.num_blocks >= 0, ">= 0 (0: sized from the free memory)")
         _need(self, "sync_bucket_mb", 0 < self.sync_bucket_mb < math.inf, "> 0 and finite")
 
 
@@ -336,7 +339,19 @@ class RunConfig:
             cfg.model = load_hf_config(cfg.init_from)
             if "model" in d:
                 cls._init_from_differs(cfg.init_from, kw["model"].to_dict(), cfg.model.to_dict(), overrides)
+        cfg._check_pools(path)
         return cfg
+
+    def _check_pools(self, path):
+        """rollout.num_blocks, where set, must hold one sequence of rollout.max_model_len in each pool the model's
+        layers write (the engine's blocks of BLOCK_ENTRIES entries; one block a pool is scratch)."""
+        n, L = self.rollout.num_blocks, self.rollout.max_model_len
+        most = PagedCache.seq_blocks(self.model, L, BLOCK_ENTRIES)
+        least = 1 + max([most[k] for k in set(PagedCache.layer_kinds(self.model).values())], default=0)
+        if 0 < n < least:
+            raise ConfigError(f"{path}: rollout.num_blocks: {n} blocks of {BLOCK_ENTRIES} entries cannot hold one "
+                              f"sequence of rollout.max_model_len {L} ({least} needed, one of them scratch; 0 sizes "
+                              f"the pools from the free memory)")
 
     @staticmethod
     def _init_from_differs(init_from: str, mine: dict, theirs: dict, overrides):
@@ -521,7 +536,8 @@ def memory_plan_line(cfg: RunConfig, world: int, actor_bytes: int, rollout_bytes
             continue
         name, its = ("actor host", "its") if role == "host" else (f"{role} rank", "its GPU's")
         parts.append(f"{name} {need / GB:.1f} GB of {its} {usable * have / GB:.1f} usable")
-        pools = p[role].get("cache pools", 0.0)  # the engine sizes its pools to what is free: fewer blocks, no error
+        # the engine sizes its pools to what is free: fewer blocks, no error (unless rollout.num_blocks fixes them)
+        pools = 0.0 if cfg.rollout.num_blocks else p[role].get("cache pools", 0.0)
         if need > usable * have and need - pools <= usable * have:
             parts[-1] += " (the engine's cache pools get what is left, less than their planned full size)"
         if need - pools > usable * have:
@@ -1439,6 +1455,7 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
             return sent
     sync(start)
     nonfinite_run = 0   # consecutive steps with a skipped non-finite update
+    short_cache_said = False  # the warning of a rollout short of cache blocks, given once a run
     n_layers, top_k = cfg.model.num_hidden_layers, cfg.model.num_experts_per_tok
     bar = tqdm(range(start + 1, cfg.train.steps + 1), initial=start, total=cfg.train.steps, desc="grpo",
                dynamic_ncols=True)
@@ -1502,6 +1519,13 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                         save_checkpoint(actor, step, task, out, cfg, pending)
                 bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}",
                                 kl=f"{m['mismatch_kl']:.1e}")
+                if any(rs[k] for k in CACHE_COUNTS) and not short_cache_said:
+                    short_cache_said = True  # (metrics.jsonl counts every step's)
+                    more = ("a larger rollout.num_blocks" if cfg.rollout.num_blocks else
+                            "a larger rollout.mem_fraction, or a smaller rollout.max_seqs whose slots take a share,")
+                    tqdm.write(f"warning: step {step}: the rollout ran short of cache blocks{cache_note(rs, more)}; "
+                               f"said once, metrics.jsonl's rollout_cache_waits and rollout_preemptions count each "
+                               f"step's")
                 if ts["nonfinite_updates"]:
                     print(f"step {step}: {int(ts['nonfinite_updates'])} update(s) skipped, NaN/Inf loss or gradient "
                           f"({nonfinite_run} step(s) in a row)", flush=True)
@@ -1611,7 +1635,8 @@ def make_engine(cfg: RunConfig, model, device, ep=None):
     if r.engine == "simple":
         return SimpleEngine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device, ep=ep)
     return Engine(model, fp8=r.fp8, dtype=DTYPES[r.dtype], device=device, max_seqs=r.max_seqs,
-                  max_model_len=r.max_model_len, mem_fraction=r.mem_fraction, cuda_graphs=r.cuda_graphs, ep=ep)
+                  max_model_len=r.max_model_len, mem_fraction=r.mem_fraction, num_blocks=r.num_blocks or None,
+                  cuda_graphs=r.cuda_graphs, ep=ep)
 
 
 def run_rollout(cfg: RunConfig, d: Dist):

@@ -164,7 +164,7 @@ def plan(run) -> dict:
          "other weights (BF16/fp32)": rs * (ps["dense"] - ps["fp8_dense"] - ps["fp32_kept"]) + 4 * ps["fp32_kept"]
          + buffers,
          "routed experts": (fp8 * ps["experts"] + (4 * ps["expert_blocks"] if ro.fp8 else 0)) / ro.ep}
-    r["cache pools"] = cache_bytes(cfg, ro.max_seqs, ro.max_model_len, rs)
+    r["cache pools"] = cache_bytes(cfg, ro.max_seqs, ro.max_model_len, rs, num_blocks=ro.num_blocks)
     r["weight-sync buckets"] = sync
     S = ro.max_model_len // cfg.csa_ratio
     r["decode working set"] = ro.max_seqs * (4 * (cfg.vocab_size * 3 + S * 2) + rs * 64 * cfg.hidden_size) \
@@ -181,10 +181,11 @@ def plan(run) -> dict:
             "fits": fits_actor and fits_rollout and fits_host}
 
 
-def cache_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, esize: int, block_entries: int = 64) -> float:
+def cache_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, esize: int, block_entries: int = 64,
+                num_blocks: int = 0) -> float:
     """The paged engine's pools (rollout_server.PagedCache) at full capacity: max_seqs + 1 slots (window ring,
     compressor buffers and overlap series) and max_seqs x max_blocks + 1 blocks of compressed entries (and fp32
-    indexer keys for CSA)."""
+    indexer keys for CSA); num_blocks > 0: that many blocks a pool (rollout.num_blocks)."""
     slot, block = 0, {"csa": 0, "hca": 0}
     for i in range(cfg.num_hidden_layers):
         slot += cfg.sliding_window * cfg.head_dim * esize
@@ -197,7 +198,7 @@ def cache_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, esize: int, block
             slot += 4 * cfg.hca_ratio * 2 * cfg.head_dim
             block["hca"] += block_entries * cfg.head_dim * esize
     ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
-    blocks = {k: max_seqs * max(1, -(-(max_len // ratio[k]) // block_entries)) + 1 for k in ratio}
+    blocks = {k: num_blocks or max_seqs * max(1, -(-(max_len // ratio[k]) // block_entries)) + 1 for k in ratio}
     return (max_seqs + 1) * slot + sum(blocks[k] * block[k] for k in block)
 
 

@@ -329,6 +329,14 @@ def test_pools_sized_from_free_memory_keep_to_the_fraction(model, monkeypatch):
     free.append(int(least / 0.85) + 1)
     n = eng._size_pools(None, BE, 0.85)
     assert n == need
+    # pools of a fixed size (num_blocks) are made only if they fit what is free, mem_fraction aside
+    fixed = {"csa": 7, "hca": 5}
+    free.append(allocated(fixed))
+    assert eng._size_pools(fixed, BE, 0.5) == fixed and eng._size_pools(6, BE, 0.5) == {"csa": 6, "hca": 6}
+    free.append(allocated(fixed) - 1)
+    with pytest.raises(ValueError, match=r"the cache does not fit: num_blocks=\{'csa': 7, 'hca': 5\} for max_seqs=4 "
+                       r"sequences take .* GiB against the .* GiB free after the weights: fewer blocks or sequences"):
+        eng._size_pools(fixed, BE, 0.85)
     one = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=mml, num_blocks=n, block_entries=BE,
                  max_seqs=seqs).generate(_prompts([20]), SamplingParams(temperature=0, max_tokens=mml - 20,
                                                                         ignore_eos=True))

@@ -63,6 +63,9 @@ def test_planned_pools_are_the_cache_shapes_at_full_size(path):
     full = {k: ro.max_seqs * n + 1 for k, n in PagedCache.seq_blocks(run.model, ro.max_model_len, 64).items()}
     assert PagedCache.nbytes(model, ro.max_seqs, full, 64, torch.bfloat16) == cache_bytes(run.model, ro.max_seqs,
                                                                                            ro.max_model_len, 2)
+    fixed = dict.fromkeys(full, 37)  # rollout.num_blocks: the pools' size, whatever the sequences
+    assert PagedCache.nbytes(model, ro.max_seqs, fixed, 64, torch.bfloat16) == cache_bytes(
+        run.model, ro.max_seqs, ro.max_model_len, 2, num_blocks=37)
 
 
 def test_dsv4_fits_two_plus_one_mi308x_nodes():
@@ -105,6 +108,11 @@ def test_gpu_runs_print_the_plan_against_their_gpus():
     assert memory_plan_line(run, 5, 141e9, 6e9) == "memory plan: actor rank 73.7 GB of its GPU's 133.9 usable; " \
         "rollout rank 7.1 GB of its GPU's 5.7 usable (the engine's cache pools get what is left, less than their " \
         "planned full size)"
+    # pools fixed by rollout.num_blocks are made at that size: over with them is a warning
+    fixed = RunConfig.load("configs/mini.yaml", ["deploy.world_size=0", "rollout.num_blocks=20000"])
+    line = memory_plan_line(fixed, 5, 141e9, 6e9)
+    assert line.startswith("warning: memory plan:") and "over the plan for the rollout rank (largest: cache pools" \
+        in line and "less than their planned full size" not in line, line
     # the host term (AdamW moments offloaded, dsv4.yaml) for the most actor ranks a host holds
     run = RunConfig.load("configs/dsv4.yaml", [])
     assert memory_plan_line(run, 24, 192e9, 192e9, 2048e9, 8).endswith("actor host 1137.3 GB of its 1843.2 usable")

@@ -71,7 +71,9 @@ def _free_port():
 
 def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_path):
     """launch/torchrun_3node.sh as three torchrun agents (--nnodes 3, one rank a "node", on 127.0.0.1): the fixed node
-    ranks decide the global ranks, so the rollout rank is node 2's whatever order the agents start in."""
+    ranks decide the global ranks, so the rollout rank is node 2's whatever order the agents start in. Its cache
+    pools fixed at 3 blocks (rollout.num_blocks: 2 sequences at once), the rollout rank says so at start-up, and
+    the driver warns once that sequences waited for blocks, which metrics.jsonl counts."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NPROC_PER_NODE="1", CONFIG="configs/tiny.yaml",
                PYTHONUNBUFFERED="1")
@@ -79,7 +81,8 @@ def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_pat
     r = subprocess.run(["bash", "launch/torchrun_3node.sh"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "set NODE_RANK" in r.stderr, r.stderr
     out = tmp_path / "run"
-    cmd = ["bash", "launch/torchrun_3node.sh", f"out_dir={out}", "train.steps=3", *SMALL, "ckpt.every=0"]
+    cmd = ["bash", "launch/torchrun_3node.sh", f"out_dir={out}", "train.steps=3", *SMALL, "ckpt.every=0",
+           "rollout.num_blocks=3"]
     procs = {n: subprocess.Popen(cmd, env=dict(env, NODE_RANK=str(n)), cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for n in (2, 1, 0)}  # the rollout node's agent first
@@ -94,16 +97,26 @@ def test_three_node_launch_script_puts_the_rollout_rank_on_the_last_node(tmp_pat
     assert all(p.returncode == 0 for p in procs.values()), {n: log[-2000:] for n, log in logs.items()}
     assert "roles: actor ranks 0-1 on nodes ['0', '1'], rollout ranks 2-2 on nodes ['2']" in logs[0], logs[0][-2000:]
     assert "--resume auto: no complete checkpoint" in logs[0]  # the script always resumes (a restarted job goes on)
-    # the rollout rank says what its engine holds (on the CPU its pools are sized in full: a block table each slot)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # the rollout rank says what its engine holds: a 64-entry block a sequence of 64 positions, one block scratch
     cfg = RunConfig.load("configs/tiny.yaml", SMALL)
     r, t = cfg.rollout, cfg.train
     assert re.search(rf"rollout rank 2: engine on cpu: weights [0-9.]+ [KMG]iB \((FP8|BF16)\) and a cache of "
-                     rf"[0-9.]+ [KMG]iB, whose blocks hold {r.max_seqs} sequence\(s\) of rollout.max_model_len "
+                     rf"[0-9.]+ [KMG]iB, whose blocks hold 2 sequence\(s\) of rollout.max_model_len "
                      rf"{r.max_model_len} at once \(rollout.max_seqs {r.max_seqs}\); a step's first round asks "
                      rf"{t.prompts_per_step} x {t.group_size} sequences of the 1 rollout group\(s\)", logs[2]), \
         logs[2][-2000:]
     assert f"({'FP8' if r.fp8 else 'BF16'})" in logs[2]
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    # 16 sequences a round, 2 at a time: the driver's warning, once, with the first step's count (no preemption:
+    # a started sequence's 2 new tokens stay in its one block)
+    first = next(row for row in rows if row["rollout_cache_waits"])
+    assert all(row["rollout_preemptions"] == 0 for row in rows)
+    said = [line for line in logs[0].replace("\r", "\n").splitlines() if "ran short of cache blocks" in line]
+    assert said == [f"warning: step {first['step']}: the rollout ran short of cache blocks ("
+                    f"{first['rollout_cache_waits']} sequence(s) waited for cache blocks with a slot free: a larger "
+                    f"rollout.num_blocks gives the cache pools more blocks); said once, metrics.jsonl's "
+                    f"rollout_cache_waits and rollout_preemptions count each step's"], logs[0][-2000:]
 
 
 def test_two_rollout_ranks_equal_one_rollout_rank(tmp_path):

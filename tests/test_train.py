@@ -38,6 +38,17 @@ def test_world_and_config_validation(tmp_path):
         assert str(e.value).endswith(said), (item, str(e.value))
     with pytest.raises(ConfigError, match=r"train\.lr: expected a number"):
         RunConfig.load("configs/tiny.yaml", ["train.lr=fast"])
+    # fixed cache pools must hold one rollout.max_model_len sequence (tiny: 64 positions, a 64-entry block a pool,
+    # plus the scratch block); 0 sizes them from the free memory
+    assert RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=2"]).rollout.num_blocks == 2
+    with pytest.raises(ConfigError, match=r"tiny.yaml: rollout.num_blocks: 1 blocks of 64 entries cannot hold one "
+                                          r"sequence of rollout.max_model_len 64 \(2 needed, one of them scratch"):
+        RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=1"])
+    with pytest.raises(ConfigError, match=r"rollout.num_blocks: 2 blocks of 64 entries cannot hold one sequence of "
+                                          r"rollout.max_model_len 512 \(3 needed"):  # (512 / 4: 128 CSA entries)
+        RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=2", "rollout.max_model_len=512"])
+    with pytest.raises(ConfigError, match=r"rollout\.num_blocks: must be >= 0"):
+        RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=-1"])
     for name in ("tiny", "mini", "dsv4"):
         RunConfig.load(f"configs/{name}.yaml")
 
