@@ -1430,6 +1430,10 @@ class PagedCache:
     def block_tensors(self, kind):
         return [t for name in self.BLOCK_STATE for li, t in getattr(self, name).items() if self.kind[li] == kind]
 
+    def usable_blocks(self) -> dict:
+        """Each pool's blocks a sequence can be given (block 0 is scratch)."""
+        return {k: len(a.ref) - 1 for k, a in self.alloc.items()}
+
     def blocks_for(self, upto: int) -> dict:
         """Blocks a sequence needs once positions [0, upto) are cached (kinds no layer has need none)."""
         return {k: -(-(upto // r) // self.BE) for k, r in self.paged.items()}
@@ -2035,11 +2039,11 @@ class Engine:
         if num_blocks is not None:  # fixed (a dict may leave out a pool no layer writes: no bytes; checked above)
             fixed = ({**full, **{k: int(n) for k, n in num_blocks.items()}} if isinstance(num_blocks, dict) else
                      {k: int(num_blocks) for k in full})
-            free = free_device_memory(self.device)  # (a GPU's: the pools are not made before they are known to fit)
-            if free is not None and size(fixed) > free:
+            free, need = free_device_memory(self.device), size(fixed)  # (a GPU's: checked before the pools are made)
+            if free is not None and need > free:
                 gib = 2 ** -30
                 raise ValueError(f"invalid engine arguments: the cache does not fit: num_blocks={num_blocks!r} for "
-                                 f"max_seqs={self.max_seqs} sequences take {size(fixed) * gib:.2f} GiB against the "
+                                 f"max_seqs={self.max_seqs} sequences take {need * gib:.2f} GiB against the "
                                  f"{free * gib:.2f} GiB free after the weights: fewer blocks or sequences")
             return fixed
         if self.device.type != "cuda":
@@ -2067,8 +2071,8 @@ class Engine:
         hold at once ("room"; at most max_seqs, the slots)."""
         c = self.cache
         state = [*c.slot_tensors(), *(t for k in c.paged for t in c.block_tensors(k))]
-        full = c.blocks_for(self.max_model_len)
-        room = min([self.max_seqs, *((len(c.alloc[k].ref) - 1) // n for k, n in full.items() if n)])
+        pool = c.usable_blocks()
+        room = min([self.max_seqs, *(pool[k] // n for k, n in c.blocks_for(self.max_model_len).items() if n)])
         return {"weights": held_bytes(self.model)[0], "fp8": self.runner.fp8 is not None,
                 "cache": sum(t.nbytes for t in state), "room": room}
 
@@ -2092,7 +2096,7 @@ class Engine:
         call would."""
         prompts, params = check_prompts(prompts, either_params(params, sampling_params), self.cfg.vocab_size,
                                         first_index)
-        pool = {k: len(a.ref) - 1 for k, a in self.cache.alloc.items()}  # (block 0 is scratch)
+        pool = self.cache.usable_blocks()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if len(p) + sp.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt {first_index + i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed "

@@ -1647,7 +1647,7 @@ def run_rollout(cfg: RunConfig, d: Dist):
     del model
     lead = d.rollout_ep is None or d.rollout_ep[2] == 0  # (a group's ranks run one schedule: its first speaks)
     if lead and isinstance(engine, Engine):
-        t, groups = cfg.train, (d.world - d.n_actor) // cfg.rollout.ep
+        t, groups = cfg.train, cfg.deploy.rollout_ranks // cfg.rollout.ep
         note = engine.footprint_note("rollout.max_model_len", "rollout.max_seqs")
         print(f"rollout rank {d.rank}: engine on {d.device}: {note}; a step's first round asks {t.prompts_per_step} x "
               f"{t.group_size} sequences of the {groups} rollout group(s)", flush=True)
