@@ -2968,12 +2968,13 @@ MAX_MODEL_LEN = 8192  # the CLI's largest default --max-model-len
 
 
 def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
-                 data: bytes | None = None) -> list[tuple[list[int], SamplingParams, int]]:
+                 data: bytes | None = None) -> list[tuple[list[int], SamplingParams, int, str | None]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
-    --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's.
-    data: the file's bytes, if already read. -> (token ids, sampling parameters, line number) a prompt."""
+    --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's, and
+    an "answer" (a training JSONL's: its final answer, as math_reward compares it). data: the file's bytes, if
+    already read. -> (token ids, sampling parameters, line number, final answer or None) a prompt."""
     out = []
-    from model.tasks import json_line, jsonl_lines
+    from model.tasks import gold_answer, json_line, jsonl_lines
     try:
         lines = jsonl_lines(path, data)
     except ValueError as e:
@@ -2987,14 +2988,18 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
             raise SystemExit(f"{path}:{n}: not JSON ({e})")
         except ValueError as e:
             raise SystemExit(f"{path}:{n}: {e}")
-        sp = base
+        sp, gold = base, None
         if isinstance(d, dict):
-            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt", "answer")}  # (answer:
-            # the training JSONL's, not read here)
+            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt", "answer")}
             bad = sorted(over.keys() - _LINE_FIELDS.keys())
             if bad:
                 raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
-                                 f"prompt, and {', '.join(sorted(_LINE_FIELDS))}; answer is ignored)")
+                                 f"prompt, answer, and {', '.join(sorted(_LINE_FIELDS))})")
+            if "answer" in d:
+                try:
+                    gold = gold_answer(d["answer"])
+                except ValueError as e:
+                    raise SystemExit(f"{path}:{n}: {e}") from None
             for k, v in over.items():
                 if not _LINE_FIELDS[k][1](v):
                     raise SystemExit(f"{path}:{n}: {k} = {json.dumps(v)} is not {_LINE_FIELDS[k][0]}")
@@ -3024,7 +3029,7 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
             bad = outside(ids, vocab)
             if bad is not None:
                 raise SystemExit(f"{path}:{n}: {what} {bad} outside the model's vocabulary [0, {vocab})")
-        out.append((d, sp, n))
+        out.append((d, sp, n, gold))
     if not out:
         raise SystemExit(f"{path}: no prompts")
     return out
@@ -3046,10 +3051,11 @@ def run_settings(args, prompts: bytes) -> dict:
 
 
 def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple[int, int, list[int]]],
-                 chunk: int) -> int:
+                 chunk: int) -> tuple[int, list]:
     """How many of the requests (index, sample, prompt token ids) an interrupted run's <out>.partial holds whole:
-    its complete records up to the last whole chunk (the file cut there). Another run's file, or one written with
-    other arguments or prompts (meta: that run's run_settings), is an error that says which."""
+    its complete records up to the last whole chunk (the file cut there), and those records' rewards (None where
+    a record has none). Another run's file, or one written with other arguments or prompts (meta: that run's
+    run_settings), is an error that says which."""
     if not meta.is_file():
         raise SystemExit(f"--resume: {meta} is missing, so {partial} cannot be checked against this request: "
                          f"remove {partial}, or run without --resume")
@@ -3066,12 +3072,13 @@ def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple
             raise SystemExit(f"--resume: {partial} was written by another request ({what}): give the same arguments "
                              f"and prompts, or run without --resume")
     data = partial.read_bytes()
-    whole, end, ends = 0, 0, [0]
+    whole, end, ends, rewards = 0, 0, [0], []
     for n, raw in enumerate(data.split(b"\n")[:-1], 1):  # (the piece after the last newline is torn)
         end += len(raw) + 1
         try:
             rec = json.loads(raw)
             key = (rec["index"], rec["sample"], rec["prompt_token_ids"])
+            rewards.append(rec.get("reward"))
         except (ValueError, KeyError, TypeError):
             break  # a record cut short by the interruption: the run's chunk from here on is done again
         if whole >= len(requests) or key != requests[whole]:
@@ -3082,7 +3089,7 @@ def resume_point(partial: Path, meta: Path, settings: dict, requests: list[tuple
     keep = whole if whole == len(requests) else whole // chunk * chunk
     with open(partial, "r+b") as f:
         f.truncate(ends[keep])
-    return keep
+    return keep, rewards[:keep]
 
 
 @dataclass
@@ -3136,6 +3143,19 @@ def cache_note(counts: dict, more: str = "a larger --mem-fraction, or a smaller 
     return f" ({'; '.join(cost)}: {more} gives the cache pools more blocks)"
 
 
+def score_note(rewards: list, n: int) -> str:
+    """The CLI's evaluation line: rewards of a run's completions in request order (a prompt's n samples follow each
+    other; None for a prompt with no answer), their mean, and with n > 1 the share of prompts with a correct one."""
+    got = [(j, r) for j, r in enumerate(rewards) if r is not None]
+    right = sum(r == 1.0 for _, r in got)
+    line = (f"scored {len(got) // n} prompt(s) x {n} sample(s) against their answers: mean reward "
+            f"{sum(r for _, r in got) / len(got):.4f} ({right} of {len(got)} completions correct)")
+    if n > 1:
+        hit = {j // n for j, r in got if r == 1.0}
+        line += f", pass@{n} {len(hit) / (len(got) // n):.4f} ({len(hit)} of {len(got) // n} prompts)"
+    return line
+
+
 def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
     """The CLI's ranks (WORLD_SIZE > 1: under torchrun) in groups of ep_size (None: all of them, one group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -3172,7 +3192,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=Path, help="JSONL prompts")
     ap.add_argument("--out", type=Path, help="JSONL outputs")
     ap.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one, such as the checkpoint's (for "
-                                        "text prompts and decoded outputs)")
+                                        "text prompts, decoded outputs, and prompt lines' answers scored)")
     ap.add_argument("--chat-template", default="{prompt}")
     ap.add_argument("--bos-token", help="a token put before each text prompt (train_grpo's task.bos_token)")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
@@ -3211,6 +3231,7 @@ def main(argv=None):
     from tqdm import tqdm
     from model import build_model
     from model.config import ConfigError, load_yaml, write_denied
+    from model.tasks import completion_text, math_reward
     from model.tokenizer import tokenizer_file
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
@@ -3282,12 +3303,12 @@ def main(argv=None):
         partial = args.out.with_name(args.out.name + ".partial")
         meta = args.out.with_name(args.out.name + ".partial.json")
         settings = run_settings(args, raw)
-        stop = None
+        stop, rewards = None, []  # (rewards: the completions', in request order, None for a prompt with no answer)
         if lead:  # (rank 0 reads and cuts the partial file, and tells the other ranks where it ends)
             try:
                 if args.resume and partial.exists():
-                    start = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (p, _, _) in
-                                                                   enumerate(lines)], args.chunk)
+                    start, rewards = resume_point(partial, meta, settings, [(i // args.n, i % args.n, p) for i, (
+                        p, *_) in enumerate(lines)], args.chunk)
                     print(f"resuming: {start} of {len(lines)} completions kept from {partial}")
                 elif args.resume and args.out.exists():  # most likely the finished run's: not generated again
                     raise SystemExit(f"--resume: there is no {partial} to continue, and {args.out} exists (a "
@@ -3306,10 +3327,10 @@ def main(argv=None):
         if stop is not None:
             raise SystemExit(stop if lead else 1)
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
-        need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, _ in lines)
+        need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, *_ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
     if not args.bench:
-        for p, q, n in lines:  # the engine's own check names no line
+        for p, q, n, _ in lines:  # the engine's own check names no line
             if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
                 raise SystemExit(f"{args.prompts}:{n}: {len(p)} prompt tokens + max_tokens {q.max_tokens} exceed "
                                  f"--max-model-len {args.max_model_len}")
@@ -3360,11 +3381,16 @@ def main(argv=None):
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
                   f"overall{cache_note(counts)}")
         return
-    prompts, params = [p for p, _, _ in lines], [q for _, q, _ in lines]
+    prompts, params, answers = ([x[k] for x in lines] for k in (0, 1, 3))
+    if tok is None and any(a is not None for a in answers) and lead:
+        print(f"note: {sum(a is not None for a in answers[::args.n])} prompt(s) have an answer, not scored: scoring "
+              f"decodes the completions, which needs --tokenizer", file=sys.stderr)
+    scored = tok is not None and any(a is not None for a in answers)
 
-    def records(first: int, outs: list[Output]) -> str:
-        """A chunk's output lines (with --n a prompt's lines follow each other)."""
-        text = []
+    def records(first: int, outs: list[Output]) -> tuple[str, list]:
+        """A chunk's output lines (with --n a prompt's lines follow each other), and their rewards (None for a
+        prompt with no answer): math_reward of the completion's text against the line's answer."""
+        text, rewards = [], []
         for i, o in enumerate(outs, first):
             # strict JSON: a NaN / Inf log-prob (json.dumps would write NaN, which JSON parsers refuse) is null
             logprobs = [v if math.isfinite(v) else None for v in o.logprobs]
@@ -3375,12 +3401,16 @@ def main(argv=None):
                    "token_ids": o.token_ids, "logprobs": logprobs, "finish_reason": o.finish_reason}
             if tok is not None:
                 rec["text"] = tok.decode(o.token_ids)
+            rewards.append(math_reward(completion_text(tok, o), answers[i]) if scored and answers[i] is not None
+                           else None)
+            if rewards[-1] is not None:
+                rec["reward"] = rewards[-1]
             if not args.no_routed_experts:
                 rec["routed_experts"] = o.routed_experts.tolist()
             if o.index_entries is not None:
                 rec["index_entries"] = o.index_entries.tolist()
             text.append(json.dumps(rec, allow_nan=False) + "\n")
-        return "".join(text)
+        return "".join(text), rewards
     if lead and not start:
         tmp = meta.with_name(meta.name + ".tmp")
         tmp.write_text(json.dumps(settings))
@@ -3405,7 +3435,8 @@ def main(argv=None):
             if lead:
                 for t in texts:
                     if t is not None:  # (None: a group past the last chunk)
-                        f.write(t)
+                        f.write(t[0])
+                        rewards += t[1]
                 f.flush()
                 bar.update(min(G, len(todo) - k))
         if lead:
@@ -3416,6 +3447,8 @@ def main(argv=None):
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
     print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts)}")
+    if scored:
+        print(score_note(rewards, args.n))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_fu
                             layout_error, local, make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
 from model.plan import GB, plan
 from model.weights import load_state, release_tensors, save_tensors
-from model.tasks import DigitTask, Item, JsonlTask
+from model.tasks import DigitTask, Item, JsonlTask, completion_text
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
 from kernels.quant import fp8_dtype
@@ -687,11 +687,6 @@ def sampling(cfg: RunConfig, seed: int, n: int, temperature: float | None = None
     r = cfg.rollout
     return [SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                            top_k=r.top_k, max_tokens=r.max_tokens, seed=seed)] * n
-
-
-def completion_text(tok, out) -> str:
-    ids = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-    return tok.decode(ids)
 
 
 def start_rollouts(cfg: RunConfig, step: int, task, tok, client: RolloutClient, version: int):

@@ -202,6 +202,26 @@ def answers_match(pred: str | None, gold: str) -> bool:
                for x, xs, y, ys in ((a, p, b, g), (b, g, a, p)))
 
 
+def gold_answer(answer) -> str:
+    """A JSONL line's "answer" as math_reward compares it: a string or a finite number; a GSM8K solution ('... ####
+    72') or one with \\boxed{} reduced to its final answer. A ValueError says what is wrong."""
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or (
+            isinstance(answer, float) and not math.isfinite(answer)):
+        raise ValueError(f"answer {answer!r}: a string or a finite number")
+    answer = str(answer)
+    answer.encode("utf-8")  # a lone surrogate (an escaped "\ud800") raises UnicodeEncodeError, a ValueError
+    gold = extract_answer(answer) if ("####" in answer or "boxed" in answer) else answer
+    if gold is None or not gold.strip():
+        raise ValueError(f"answer {answer!r}: no final answer")
+    return gold
+
+
+def completion_text(tok, out) -> str:
+    """An output's completion as text, a stop token that ended it left out (what the rewards score)."""
+    ids = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+    return tok.decode(ids)
+
+
 def math_reward(completion: str, gold: str) -> float:
     return 1.0 if answers_match(extract_answer(completion), gold) else 0.0
 
@@ -248,15 +268,7 @@ class JsonlTask:
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty or non-string prompt")
                 prompt.encode("utf-8")  # a lone surrogate (an escaped "\ud800") raises UnicodeEncodeError
-                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or (
-                        isinstance(answer, float) and not math.isfinite(answer)):
-                    raise ValueError(f"answer {answer!r}: a string or a finite number")
-                answer = str(answer)
-                answer.encode("utf-8")
-                gold = extract_answer(answer) if ("####" in answer or "boxed" in answer) else answer
-                if gold is None or not gold.strip():
-                    raise ValueError("no final answer")
-                out.append(Item(prompt, gold))
+                out.append(Item(prompt, gold_answer(answer)))
             except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
                 if strict:
                     raise ValueError(f"{path}:{n}: malformed line ({e})") from None

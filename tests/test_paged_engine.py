@@ -1063,6 +1063,79 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
     assert out.read_text() == "an earlier run's output\n"
     assert [json.loads(x)["index"] for x in (tmp_path / "o.jsonl.partial").read_text().split("\n") if x] == [0]
 
+def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsys, monkeypatch):
+    """A prompt line's "answer" (a training JSONL's) is scored with --tokenizer: each completion's record gets the
+    reward the trainer gives it (math_reward of its text, a stop token left out), and the last line says the mean
+    reward and pass@n; a resumed run says the same. Without --tokenizer a note says the answers are not scored; a
+    bad answer is refused naming the line."""
+    import json
+    import rollout_server
+    from model.tasks import extract_answer, math_reward
+    tok = bpe(["1 2 3 4 5 6 7 8 9 0", "12 34 56 78 90", "the answer is 7"], vocab_size=60)
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(open("configs/tiny.yaml").read().replace("vocab_size: 14 ", "vocab_size: 64 "))
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    base = ["--model", str(cfg), "--tokenizer", str(tmp_path), "--prompts", str(src), "--out", str(out),
+            "--max-tokens", "8", "--max-model-len", "64", "--n", "3", "--seed", "5", "--chunk", "2"]
+    prompts = [{"prompt": "1 2"}, {"prompt": "3 4"}, {"prompt": "5 6"}, {"prompt": "7 8"}]
+    src.write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    rollout_server.main(base)
+    free = [json.loads(x) for x in out.read_text().splitlines()]
+    assert "reward" not in free[0] and "scored" not in capsys.readouterr().out
+
+    def text(r):
+        return tok.decode(r["token_ids"][:-1] if r["finish_reason"] == "stop" else r["token_ids"])
+    # prompt 0: the final answer of one of its samples (others may differ); 1: one no completion gives; 2: a GSM8K
+    # solution whose final answer is one of its samples'; 3: none
+    picks = [extract_answer(text(r)) for r in free]
+    a, b = (next(i for i in range(j, j + 3) if picks[i] is not None) for j in (0, 6))
+    answers = [picks[a], "zzz", f"work ... #### {picks[b]}", None]
+    src.write_text("".join(json.dumps({**x, **({} if a is None else {"answer": a})}) + "\n"
+                           for x, a in zip(prompts, answers)))
+    rollout_server.main(base)
+    said = capsys.readouterr().out
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in free]  # (answers change no completion)
+    gold = [picks[a], "zzz", picks[b]]
+    want = [math_reward(text(r), gold[i // 3]) if i < 9 else None for i, r in enumerate(rows)]
+    assert [r.get("reward") for r in rows] == want
+    assert want[a] == 1.0 and want[3:6] == [0.0] * 3 and want[b] == 1.0 and "reward" not in rows[9]
+    right = int(sum(want[:9]))
+    hit = sum(any(w == 1.0 for w in want[j:j + 3]) for j in (0, 3, 6))
+    line = (f"scored 3 prompt(s) x 3 sample(s) against their answers: mean reward {right / 9:.4f} ({right} of 9 "
+            f"completions correct), pass@3 {hit / 3:.4f} ({hit} of 3 prompts)")
+    assert hit == 2 and line in said.splitlines(), said
+    # interrupted after its first chunk, then resumed: the kept chunk's rewards count in the same line
+    calls, generate = [0], rollout_server.Engine.generate
+
+    def interrupted(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return generate(self, *a, **k)
+    monkeypatch.setattr(rollout_server.Engine, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rollout_server.main(base)
+    monkeypatch.setattr(rollout_server.Engine, "generate", generate)
+    capsys.readouterr()
+    rollout_server.main([*base, "--resume"])
+    said = capsys.readouterr().out
+    assert "resuming: 4 of 12 completions kept" in said and line in said.splitlines(), said
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
+    # token-id prompts with answers and no tokenizer: not scored, and said so
+    src.write_text(json.dumps({"prompt_token_ids": [3, 4], "answer": 7}) + "\n" + json.dumps([5]) + "\n")
+    rollout_server.main(["--model", str(cfg), "--prompts", str(src), "--out", str(out), "--max-tokens", "2"])
+    said = capsys.readouterr()
+    assert "note: 1 prompt(s) have an answer, not scored: scoring decodes the completions, which needs " \
+        "--tokenizer" in said.err and "scored" not in said.out
+    for bad, msg in (({"prompt": "1", "answer": None}, "p.jsonl:2: answer None: a string or a finite number"),
+                     ({"prompt": "1", "answer": "work #### "}, "p.jsonl:2: answer 'work #### ': no final answer"),
+                     ({"prompt": "1", "answer": "4", "answers": 5}, "p.jsonl:2: unknown key 'answers'")):
+        src.write_text(json.dumps(prompts[0]) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            rollout_server.main(base)
+
+
 def test_stop_tokens_eos_and_limits(model):
     for e in (Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64),
               SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")):

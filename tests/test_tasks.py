@@ -113,7 +113,7 @@ def test_jsonl_files_saved_with_a_byte_order_mark(tmp_path):
     t = JsonlTask(f, seed=0, eval_size=2, strict=True)
     assert t.bad_lines == 0 and len(t.items) + len(t.eval_items()) == 8
     f.write_bytes(b"\xef\xbb\xbf[3, 4]\n" + json.dumps({"prompt_token_ids": [5]}).encode() + b"\n")
-    assert [p for p, _, _ in read_prompts(f, None, 32, SamplingParams())] == [[3, 4], [5]]
+    assert [p for p, *_ in read_prompts(f, None, 32, SamplingParams())] == [[3, 4], [5]]
     f.write_bytes(b"[3, 4]\n\xef\xbb\xbf[5]\n")
     with pytest.raises(SystemExit, match="bom.jsonl:2: not JSON"):
         read_prompts(f, None, 32, SamplingParams())
