@@ -1383,6 +1383,13 @@ class PagedCache:
         return {k: max(1, -(-(max_len // r) // block_entries)) for k, r in zip(cls.POOLS, (cfg.csa_ratio,
                                                                                          cfg.hca_ratio))}
 
+    @classmethod
+    def least_blocks(cls, cfg, max_len: int, block_entries: int) -> int:
+        """The fewest blocks a pool may have (a fixed num_blocks, one for every pool) and still serve one sequence of
+        max_len positions: its most in any pool a layer writes, and the scratch block."""
+        most = cls.seq_blocks(cfg, max_len, block_entries)
+        return 1 + max([most[k] for k in set(cls.layer_kinds(cfg).values())], default=0)
+
     @staticmethod
     def layer_kinds(cfg: ModelConfig) -> dict:
         """{layer index: the pool its compressed entries go to} for the layers that compress: CSA (with an indexer)
@@ -3131,8 +3138,7 @@ def cli_cache_counts(engine, ranks: CliRanks, since: dict | None = None) -> dict
     return mine if ranks.rank == 0 else dict.fromkeys(mine, 0)
 
 
-def cache_note(counts: dict, more: str = "a larger --mem-fraction, or a smaller --max-seqs whose slots take a "
-                                         "share,") -> str:
+def cache_note(counts: dict, more: str) -> str:
     """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise).
     more: the settings that give the pools more blocks (the CLI's flags; a run's config keys)."""
     cost = [f"{counts['cache_waits']} sequence(s) waited for cache blocks with a slot free"] \
@@ -3212,6 +3218,8 @@ def main(argv=None):
                     "request needs, at least the model's max_position_embeddings, at most 8192)")
     ap.add_argument("--mem-fraction", type=float, default=0.85,
                     help="of the GPU memory free after the weights, for the cache pools (paged engine)")
+    ap.add_argument("--num-blocks", type=int, help="blocks of %d entries in each cache pool, instead of as many as "
+                    "--mem-fraction leaves room for (paged engine)" % BLOCK_ENTRIES)
     ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
     ap.add_argument("--resume", action="store_true",
                     help="continue an interrupted run (same arguments and prompts) from <out>.partial, keeping "
@@ -3235,11 +3243,13 @@ def main(argv=None):
     from model.tokenizer import tokenizer_file
     from model.weights import WeightError
     # every check that needs no weights before they load (a large checkpoint takes minutes)
-    for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len", "ep"):
+    for name in ("max_tokens", "n", "max_seqs", "max_model_len", "chunk", "batch", "prompt_len", "ep", "num_blocks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.mem_fraction <= 1:
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
+    if args.num_blocks is not None and args.engine != "paged":
+        ap.error("--num-blocks sizes the paged engine's cache pools: not with --engine simple")
     if not args.bench:
         if args.prompts is None or args.out is None:
             ap.error("--prompts and --out are required (or --bench)")
@@ -3329,6 +3339,10 @@ def main(argv=None):
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
         need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, *_ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
+    least = PagedCache.least_blocks(cfg, args.max_model_len, BLOCK_ENTRIES)
+    if args.num_blocks is not None and args.num_blocks < least:
+        ap.error(f"--num-blocks {args.num_blocks}: blocks of {BLOCK_ENTRIES} entries cannot hold one sequence of "
+                 f"--max-model-len {args.max_model_len} ({least} needed, one of them scratch)")
     if not args.bench:
         for p, q, n, _ in lines:  # the engine's own check names no line
             if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
@@ -3342,7 +3356,9 @@ def main(argv=None):
               fp8_scale_fmt=args.fp8_scale_fmt, ep=ep, cfg=None if yaml_model else cfg)
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
-                  mem_fraction=args.mem_fraction)
+                  mem_fraction=args.mem_fraction, num_blocks=args.num_blocks)
+    more = ("a larger --num-blocks" if args.num_blocks else
+            "a larger --mem-fraction, or a smaller --max-seqs whose slots take a share,")
     try:
         engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=lead, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
@@ -3379,7 +3395,7 @@ def main(argv=None):
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
-                  f"overall{cache_note(counts)}")
+                  f"overall{cache_note(counts, more)}")
         return
     prompts, params, answers = ([x[k] for x in lines] for k in (0, 1, 3))
     if tok is None and any(a is not None for a in answers) and lead:
@@ -3446,7 +3462,7 @@ def main(argv=None):
         return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
-    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts)}")
+    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts, more)}")
     if scored:
         print(score_note(rewards, args.n))
 

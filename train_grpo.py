@@ -346,8 +346,7 @@ class RunConfig:
         """rollout.num_blocks, where set, must hold one sequence of rollout.max_model_len in each pool the model's
         layers write (the engine's blocks of BLOCK_ENTRIES entries; one block a pool is scratch)."""
         n, L = self.rollout.num_blocks, self.rollout.max_model_len
-        most = PagedCache.seq_blocks(self.model, L, BLOCK_ENTRIES)
-        least = 1 + max([most[k] for k in set(PagedCache.layer_kinds(self.model).values())], default=0)
+        least = PagedCache.least_blocks(self.model, L, BLOCK_ENTRIES)
         if 0 < n < least:
             raise ConfigError(f"{path}: rollout.num_blocks: {n} blocks of {BLOCK_ENTRIES} entries cannot hold one "
                               f"sequence of rollout.max_model_len {L} ({least} needed, one of them scratch; 0 sizes "

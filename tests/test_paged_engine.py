@@ -758,6 +758,30 @@ def test_cli_says_what_a_cache_too_small_for_the_batch_cost(tmp_path, capsys, mo
             in said
         want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (tmp_path / "ref.jsonl", out))
         assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    # --num-blocks (rollout.num_blocks's flag): 2 blocks of 64 entries a pool, one a scratch block, so one sequence
+    # of 64 at a time; and the hint names the flag
+    monkeypatch.setattr(rollout_server.Engine, "__init__", lambda self, *a, **kw: real(self, *a, **kw)
+                        or engines.append(self))
+    out = tmp_path / "flag.jsonl"
+    rollout_server.main([*args, "--out", str(out), "--num-blocks", "2"])
+    said = capsys.readouterr().out
+    assert {k: len(a.ref) for k, a in engines[-1].cache.alloc.items()} == {"csa": 2, "hca": 2}
+    assert says_its_footprint(engines[-1], 1)
+    waits, n = engines[-1].stats["cache_waits"], engines[-1].stats["preemptions"]
+    cost = "; ".join([f"{waits} sequence(s) waited for cache blocks with a slot free"] +
+                     [f"{n} sequence(s) preempted and recomputed"] * (n > 0))
+    assert waits > 0 and f"wrote 8 completions to {out} ({cost}: a larger --num-blocks gives the cache pools more " \
+        f"blocks)" in said, said
+    want, got = ([json.loads(r) for r in f.read_text().splitlines()] for f in (tmp_path / "ref.jsonl", out))
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    for extra, msg in ((["--num-blocks", "1"], "--num-blocks 1: blocks of 64 entries cannot hold one sequence of "
+                                               "--max-model-len 64 (2 needed, one of them scratch)"),
+                       (["--num-blocks", "2", "--engine", "simple"],
+                        "--num-blocks sizes the paged engine's cache pools: not with --engine simple"),
+                       (["--num-blocks", "0"], "--num-blocks must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            rollout_server.main([*args, "--out", str(out), *extra])
+        assert msg in capsys.readouterr().err
 
 
 def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
