@@ -3339,7 +3339,7 @@ def main(argv=None):
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
         need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, *_ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
-    least = PagedCache.least_blocks(cfg, args.max_model_len, BLOCK_ENTRIES)
+    least = args.num_blocks and PagedCache.least_blocks(cfg, args.max_model_len, BLOCK_ENTRIES)
     if args.num_blocks is not None and args.num_blocks < least:
         ap.error(f"--num-blocks {args.num_blocks}: blocks of {BLOCK_ENTRIES} entries cannot hold one sequence of "
                  f"--max-model-len {args.max_model_len} ({least} needed, one of them scratch)")
@@ -3406,7 +3406,7 @@ def main(argv=None):
     def records(first: int, outs: list[Output]) -> tuple[str, list]:
         """A chunk's output lines (with --n a prompt's lines follow each other), and their rewards (None for a
         prompt with no answer): math_reward of the completion's text against the line's answer."""
-        text, rewards = [], []
+        text, scores = [], []
         for i, o in enumerate(outs, first):
             # strict JSON: a NaN / Inf log-prob (json.dumps would write NaN, which JSON parsers refuse) is null
             logprobs = [v if math.isfinite(v) else None for v in o.logprobs]
@@ -3417,16 +3417,16 @@ def main(argv=None):
                    "token_ids": o.token_ids, "logprobs": logprobs, "finish_reason": o.finish_reason}
             if tok is not None:
                 rec["text"] = tok.decode(o.token_ids)
-            rewards.append(math_reward(completion_text(tok, o), answers[i]) if scored and answers[i] is not None
-                           else None)
-            if rewards[-1] is not None:
-                rec["reward"] = rewards[-1]
+            scores.append(math_reward(completion_text(tok, o), answers[i]) if scored and answers[i] is not None
+                          else None)
+            if scores[-1] is not None:
+                rec["reward"] = scores[-1]
             if not args.no_routed_experts:
                 rec["routed_experts"] = o.routed_experts.tolist()
             if o.index_entries is not None:
                 rec["index_entries"] = o.index_entries.tolist()
             text.append(json.dumps(rec, allow_nan=False) + "\n")
-        return "".join(text), rewards
+        return "".join(text), scores
     if lead and not start:
         tmp = meta.with_name(meta.name + ".tmp")
         tmp.write_text(json.dumps(settings))
