@@ -1422,7 +1422,9 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
     bucket = int(cfg.rollout.sync_bucket_mb * 2 ** 20)
     if getattr(task, "load_stats", None):
         print(f"task: {len(task.items)} training and {len(task.eval_items())} evaluation prompts; skipped or cut: "
-              + ", ".join(f"{k} {v}" for k, v in task.load_stats.items()), flush=True)
+              + ", ".join(f"{k} {v}" for k, v in task.load_stats.items())
+              + (f" (the first malformed line {task.first_bad}; task.strict=true stops at one)" if task.first_bad
+                 else ""), flush=True)
     if start == 0:
         moved = set_aside(out)
         if moved is not None:

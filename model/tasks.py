@@ -233,6 +233,7 @@ class JsonlTask:
     def __init__(self, path: str | Path, seed: int = 0, eval_path: str | Path | None = None, eval_size: int = 64,
                  strict: bool = False):
         self.seed, self.cursor, self.bad_lines = seed, 0, 0
+        self.first_bad: str | None = None  # where the first malformed line is, and what is wrong with it
         self._order: tuple[int, list[int]] = (-1, [])
         items = self._read(Path(path), strict)
         if eval_path:
@@ -248,6 +249,7 @@ class JsonlTask:
             self.items = [it for it in items if it.prompt not in held]
         if not self.items:
             raise ValueError(f"{path}: no training items left ({len(items)} read, {self.bad_lines} malformed lines"
+                             + (f", the first {self.first_bad}" if self.first_bad else "")
                              + ("" if eval_path else f", {len(items) - len(self.items)} held out for evaluation: "
                                                      f"task.eval_size={eval_size}") + ")")
 
@@ -264,6 +266,11 @@ class JsonlTask:
                 continue
             try:
                 d = json_line(line)
+                if not isinstance(d, dict):
+                    raise ValueError(f"a JSON object with prompt and answer, not {json.dumps(d)[:40]}")
+                missing = [k for k in ("prompt", "answer") if k not in d]
+                if missing:  # (GSM8K's own files say question)
+                    raise ValueError(f"no {' or '.join(missing)} (the line has {', '.join(d) or 'no key'})")
                 prompt, answer = d["prompt"], d["answer"]
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty or non-string prompt")
@@ -273,6 +280,7 @@ class JsonlTask:
                 if strict:
                     raise ValueError(f"{path}:{n}: malformed line ({e})") from None
                 self.bad_lines += 1
+                self.first_bad = self.first_bad or f"{path}:{n}: {e}"
         return out
 
     def batch(self, n: int) -> list[Item]:

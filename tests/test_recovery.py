@@ -511,7 +511,7 @@ def test_dataset_lines_long_prompts_and_strict_mode(tmp_path, bpe):
     def load(*extra):
         return make_task(RunConfig.load("configs/tiny.yaml", [*base, *extra]))
     task, _ = load()   # default: skipped and counted
-    assert task.load_stats["malformed_lines"] == 3
+    assert task.load_stats["malformed_lines"] == 3 and task.first_bad.startswith(f"{data}:26: Expecting property")
     assert task.load_stats["long_prompts_skip"] + task.load_stats["eval_long_prompts_skip"] == 1
     assert len(task.items) + len(task.eval_items()) == 24 and long_prompt not in {i.prompt for i in task.items}
     cfg = RunConfig.load("configs/tiny.yaml", [*base, "task.long_prompts=truncate"])

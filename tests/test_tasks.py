@@ -1,6 +1,7 @@
 """Tasks and rewards: the built-in digit task, JSONL datasets, math answer normalization, tokenizers."""
 import collections
 import json
+import re
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
     f.write_text("\n".join([json.dumps(d, ensure_ascii=False) for d in ok + bad]
                            + ['{"prompt": "\\ud800", "answer": "1"}'] + [json.dumps(d) for d in ok]) + "\n")
     t = JsonlTask(f, seed=0, eval_size=1)  # every good prompt twice
-    assert t.bad_lines == 5
+    assert t.bad_lines == 5 and t.first_bad == f"{f}:8: answer None: a string or a finite number"
     (held,) = t.eval_items()  # one prompt held out, with both its copies
     assert held.prompt not in {it.prompt for it in t.items} and len(t.items) == 12
     assert {it.answer for it in t.items} | {held.answer} == {"0", "1", "2", "3", "4", "5", "2.5"}
@@ -97,6 +98,20 @@ def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
     twice.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 1, "answer": 2}\n')
     with pytest.raises(ValueError, match=r"twice\.jsonl:2: malformed line \(key 'answer' given twice\)"):
         JsonlTask(twice, strict=True)
+    # GSM8K's own files say question, not prompt: refused, and the error says so (it said '0 read, 2 malformed')
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("".join(json.dumps(d) + "\n" for d in ({"question": "1+1?", "answer": "#### 2"}, [1, 2],
+                                                         {"prompt": "a"})))
+    with pytest.raises(ValueError, match=re.escape(f"{gsm}: no training items left (0 read, 3 malformed lines, the "
+                                                   f"first {gsm}:1: no prompt (the line has question, answer), 0 held")):
+        JsonlTask(gsm)
+    for line, why in (({"question": "1+1?", "answer": "#### 2"}, "no prompt (the line has question, answer)"),
+                      ([1, 2], "a JSON object with prompt and answer, not [1, 2]"),
+                      ({"prompt": "a"}, "no answer (the line has prompt)"), ({}, "no prompt or answer (the line has "
+                                                                                "no key)")):
+        gsm.write_text(json.dumps(line) + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{gsm}:1: malformed line ({why})")):
+            JsonlTask(gsm, strict=True)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(12)))
     with pytest.raises(ValueError, match=r"no training items left \(12 read, 0 malformed.*task\.eval_size=64"):

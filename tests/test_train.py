@@ -69,7 +69,9 @@ def test_jsonl_task_with_trained_tokenizer_end_to_end(tmp_path, bpe):
     extra = ["task.kind=jsonl", f"task.path={data}", f"task.tokenizer={tmp_path}", "task.chat_template=<user> {prompt} <bot>",
              "task.bos_token=<s>", "task.eos_token=</s>", "task.eval_size=4", f"model.vocab_size={tok.get_vocab_size()}",
              "rollout.max_tokens=4"]
-    finish(launch(out, 2, extra))
+    said = finish(launch(out, 2, extra))
+    assert f"skipped or cut: malformed_lines 1, long_prompts_skip 0, eval_long_prompts_skip 0 (the first malformed " \
+        f"line {data}:37: Expecting property name" in said, said[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and "eval_greedy_acc" in rows[1]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
