@@ -30,6 +30,23 @@ def model():
     return input_dependent(build_model(cfg, seed=0)).eval()
 
 
+_GENERATE = Engine.generate  # (the engine's own, before a test patches it)
+
+
+def stop_generate_at(monkeypatch, n: int) -> list:
+    """Engine.generate raising KeyboardInterrupt at its n-th call (0: never), as an interrupted run; -> the calls'
+    prompt counts."""
+    calls = []
+
+    def spy(self, prompts, *a, **kw):
+        calls.append(len(prompts))
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return _GENERATE(self, prompts, *a, **kw)
+    monkeypatch.setattr(Engine, "generate", spy)
+    return calls
+
+
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 32, (n,), generator=g).tolist() for n in lengths]
@@ -796,19 +813,9 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
             "--max-model-len", "64", "--max-seqs", "4"]
     ref = tmp_path / "ref.jsonl"
     rollout_server.main([*args, "--out", str(ref)])
-    calls = []
-    real = rollout_server.Engine.generate
-
-    def stop_at(n):
-        def spy(self, prompts, *a, **kw):
-            calls.append(len(prompts))
-            if len(calls) == n:
-                raise KeyboardInterrupt
-            return real(self, prompts, *a, **kw)
-        return spy
     out = tmp_path / "o.jsonl"
     partial, meta = tmp_path / "o.jsonl.partial", tmp_path / "o.jsonl.partial.json"
-    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(3))
+    stop_generate_at(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main([*args, "--out", str(out)])
     assert not out.exists() and partial.read_text().splitlines() == ref.read_text().splitlines()[:8]
@@ -818,14 +825,12 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
                      (["--n", "1"], "--n was 2, now 1"), (["--model", "configs/mini.yaml"], "--model was")):
         with pytest.raises(SystemExit, match=f"written by another request \\({why}"):
             rollout_server.main([*args, *bad, "--out", str(out), "--resume"])
-    calls.clear()
-    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(0))
+    calls = stop_generate_at(monkeypatch, 0)
     rollout_server.main([*args, "--out", str(out), "--resume"])
     assert "resuming: 8 of 14 completions kept" in capsys.readouterr().out
     assert calls == [4, 2] and out.read_bytes() == ref.read_bytes() and not partial.exists() and not meta.exists()
     # prompts changed, settings lost, a record of another request: refused; no .partial: a fresh start
-    calls.clear()
-    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(2))
+    stop_generate_at(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main([*args, "--out", str(out)])
     src.write_text(src.read_text() + "[9, 9]\n")
@@ -841,8 +846,7 @@ def test_cli_resume_continues_an_interrupted_run(tmp_path, capsys, monkeypatch):
         rollout_server.main([*args, "--out", str(out), "--resume"])
     partial.unlink()
     out.unlink()
-    calls.clear()
-    monkeypatch.setattr(rollout_server.Engine, "generate", stop_at(0))
+    calls = stop_generate_at(monkeypatch, 0)
     rollout_server.main([*args, "--out", str(out), "--resume"])
     assert "no " in capsys.readouterr().out and calls == [4, 4, 4, 2] and out.read_bytes() == ref.read_bytes()
     calls.clear()  # a finished run's --out and no .partial: refused, not generated again
@@ -870,14 +874,7 @@ def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monk
             "--max-model-len", "64", "--max-seqs", "4"]
     ref, out = tmp_path / "ref.jsonl", tmp_path / "o.jsonl"
     rollout_server.main([*args, "--out", str(ref)])
-    real, calls = rollout_server.Engine.generate, []
-
-    def spy(self, prompts, *a, **kw):
-        calls.append(len(prompts))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(self, prompts, *a, **kw)
-    monkeypatch.setattr(rollout_server.Engine, "generate", spy)
+    calls = stop_generate_at(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main([*args, "--out", str(out)])
 
@@ -1074,18 +1071,12 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
     assert "--bos-token: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
     src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     out.write_text("an earlier run's output\n")
-    calls, generate = [0], rollout_server.Engine.generate
-
-    def interrupted(self, *a, **k):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyboardInterrupt
-        return generate(self, *a, **k)
-    monkeypatch.setattr(rollout_server.Engine, "generate", interrupted)
+    stop_generate_at(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main(base)
     assert out.read_text() == "an earlier run's output\n"
     assert [json.loads(x)["index"] for x in (tmp_path / "o.jsonl.partial").read_text().split("\n") if x] == [0]
+
 
 def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsys, monkeypatch):
     """A prompt line's "answer" (a training JSONL's) is scored with --tokenizer: each completion's record gets the
@@ -1130,17 +1121,10 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
             f"completions correct), pass@3 {hit / 3:.4f} ({hit} of 3 prompts)")
     assert hit == 2 and line in said.splitlines(), said
     # interrupted after its first chunk, then resumed: the kept chunk's rewards count in the same line
-    calls, generate = [0], rollout_server.Engine.generate
-
-    def interrupted(self, *a, **k):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise KeyboardInterrupt
-        return generate(self, *a, **k)
-    monkeypatch.setattr(rollout_server.Engine, "generate", interrupted)
+    stop_generate_at(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         rollout_server.main(base)
-    monkeypatch.setattr(rollout_server.Engine, "generate", generate)
+    stop_generate_at(monkeypatch, 0)
     capsys.readouterr()
     rollout_server.main([*base, "--resume"])
     said = capsys.readouterr().out
