@@ -336,7 +336,10 @@ class RunConfig:
         cfg = cls(**kw)
         if cfg.init_from:
             from model.config import load_hf_config
-            cfg.model = load_hf_config(cfg.init_from)
+            try:
+                cfg.model = load_hf_config(cfg.init_from)
+            except (OSError, ConfigError) as e:  # (no such directory was a FileNotFoundError traceback)
+                raise ConfigError(f"{path}: init_from: {e}") from None
             if "model" in d:
                 cls._init_from_differs(cfg.init_from, kw["model"].to_dict(), cfg.model.to_dict(), overrides)
         cfg._check_pools(path)

@@ -415,7 +415,7 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         if (f.parent / "meta.json").exists() and any(f.parent.glob("actor-rank*.safetensors")):
             raise FileNotFoundError(f"{f.parent}: a training checkpoint (meta.json and actor shards), not a model "
                                     f"directory; python -m model.export {f.parent} OUT writes it as one")
-        raise FileNotFoundError(f"{f}: no config.json")
+        raise FileNotFoundError(f"{path}: no such directory" if not path.exists() else f"{f}: no config.json")
     try:
         d = strict_json(f.read_text())
     except json.JSONDecodeError as e:

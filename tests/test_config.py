@@ -1,6 +1,7 @@
 """Config parsing: release naming, transformers naming, YAML validation with messages that name the key."""
 import json
 import math
+import re
 
 import pytest
 
@@ -211,6 +212,16 @@ def test_duplicate_keys_typos_and_conflicts_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.hidden_size: the override asks 96, but init_from .*ckpt takes "
                                           r"the model from its config.json \(64\)"):
         RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / 'ckpt'}", "model.hidden_size=96"])
+    (tmp_path / "run").mkdir()  # a training checkpoint's files, not a model directory
+    (tmp_path / "run" / "meta.json").write_text("{}")
+    (tmp_path / "run" / "actor-rank0.safetensors").write_bytes(b"")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    for d, why in (("missing", "missing: no such directory"),
+                   ("run", "run: a training checkpoint (meta.json and actor shards), not a model directory"),
+                   ("bad", "bad/config.json: not valid JSON")):  # (the first was a FileNotFoundError traceback)
+        with pytest.raises(ConfigError, match=re.escape(f"configs/tiny.yaml: init_from: {tmp_path / why}")):
+            RunConfig.load("configs/tiny.yaml", [f"init_from={tmp_path / d}"])
 
 
 def test_null_and_infinite_values_are_named():
