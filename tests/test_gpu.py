@@ -739,6 +739,39 @@ def test_engine_counts_its_weights_and_refuses_too_many_before_taking_any(monkey
         torch.cuda.empty_cache()  # (the next tests' engines size their pools from the free memory)
 
 
+def test_fixed_cache_pools_that_do_not_fit_are_refused_before_any_is_made():
+    """num_blocks= fixes the cache pools' blocks (rollout.num_blocks): pools that fit are made at that size, counted
+    by footprint() and serve; pools larger than the GPU's free memory after the weights stop Engine with their size
+    before any is made (not an out-of-memory error midway)."""
+    import gc
+    import re
+    import rollout_server
+    from rollout_server import PagedCache, SamplingParams
+    m = _engine_model()
+    gc.collect()
+    eng = rollout_server.Engine(m, device="cuda", max_model_len=512, max_seqs=4, num_blocks=40)
+    kinds = list(eng.cache.alloc)
+    assert {k: len(a.ref) for k, a in eng.cache.alloc.items()} == dict.fromkeys(kinds, 40)
+    size = {n: PagedCache.nbytes(eng.model, 4, dict.fromkeys(kinds, n), eng.cache.BE, eng.dtype) for n in (0, 1, 40)}
+    assert eng.footprint()["cache"] == size[40]
+    out = eng.generate([[5, 6, 7], [9] * 200], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [40, 40]
+    per_block, state = size[1] - size[0], size[0]
+    del eng, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    n = torch.cuda.mem_get_info()[0] // per_block + 1  # (more than all the free memory, before the weights load)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match=rf"invalid engine arguments: the cache does not fit: num_blocks={n} for "
+                       rf"max_seqs=4 sequences take ([0-9.]+) GiB against the ([0-9.]+) GiB free after the weights"
+                       ) as e:
+        rollout_server.Engine(m, device="cuda", max_model_len=512, max_seqs=4, num_blocks=n)
+    took, free = map(float, re.search(r"take ([0-9.]+) GiB against the ([0-9.]+) GiB", str(e.value)).groups())
+    assert abs(took - (state + n * per_block) / 2 ** 30) <= 0.01 and free < took
+    assert torch.cuda.max_memory_allocated() - base < (1 << 30)  # (the weights, a few MB: no pool was made)
+
+
 def test_engine_graphs_match_eager_and_simple():
     from kernels import fp8_gemm
     from rollout_server import Engine, SamplingParams, SimpleEngine
