@@ -3,7 +3,8 @@ client for it, and a command line.
 
     Engine(model_or_path, fp8=True, dtype=torch.bfloat16, device=None, ...)
     engine.generate(prompts: list[list[int]], SamplingParams(...)) -> [Output(token_ids, logprobs, routed_experts)]
-    python rollout_server.py --model DIR --prompts FILE.jsonl --out FILE.jsonl [--bench]
+    python rollout_server.py --model DIR --prompts FILE.jsonl --out FILE.jsonl   (with --tokenizer, answers scored)
+    python rollout_server.py --model DIR --bench
     torchrun --nproc-per-node N rollout_server.py ... [--ep E]   (groups of E ranks split the routed experts)
 
 `Engine` is the paged engine: fixed-size per-sequence state (the sliding window's ring, each compressor's partial
