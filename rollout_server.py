@@ -1252,17 +1252,20 @@ class SimpleEngine:
             s.pos += len(chunks[i])
         return logits
 
-    def _sample(self, seqs: list[SimpleSeq], logits):
+    def _sample(self, seqs: list[SimpleSeq], logits, progress=None):
         tok, lp = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.tokens) for s in seqs])
         for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
             s.tokens.append(t)
             s.logprobs.append(l)
             s.finish = stop_reason(t, len(s.tokens), s.params, self.cfg.eos_ids)
+            if s.finish is not None and progress is not None:
+                progress(1)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 first_index: int = 0, *, sampling_params=None) -> list[Output]:
+                 first_index: int = 0, *, sampling_params=None, progress=None) -> list[Output]:
         """first_index: the index of prompts[0] in a larger request (Engine.generate). As Engine.generate:
-        sampling_params is params' other name, none is SamplingParams()'s defaults."""
+        sampling_params is params' other name, none is SamplingParams()'s defaults; progress(1) as each sequence
+        ends."""
         prompts, params = check_prompts(prompts, either_params(params, sampling_params), self.cfg.vocab_size,
                                         first_index)
         seqs = [SimpleSeq(first_index + i, p, params[i], self.model, self.device, self.dtype)
@@ -1282,7 +1285,7 @@ class SimpleEngine:
                             member.share_prefix(g)
                         members.append(member)
                         rows.append(row)
-                self._sample(members, torch.stack(rows))
+                self._sample(members, torch.stack(rows), progress)
                 group, size = [], 0
             if s is not None:
                 group.append(s)
@@ -1291,7 +1294,7 @@ class SimpleEngine:
         while active:
             for start in range(0, len(active), self.max_batch_tokens):
                 batch = active[start:start + self.max_batch_tokens]
-                self._sample(batch, self._forward(batch, [[s.tokens[-1]] for s in batch]))
+                self._sample(batch, self._forward(batch, [[s.tokens[-1]] for s in batch]), progress)
             active = [s for s in seqs if s.finish is None]
         n = [len(s.prompt) + len(s.tokens) - 1 for s in seqs]
         return [Output(s.prompt, s.tokens, s.logprobs, torch.cat(s.routing)[:k], s.finish,
@@ -2039,6 +2042,7 @@ class Engine:
                       "prefill_s": 0.0, "decode_s": 0.0}
         self.pipeline = pipeline
         self.ahead = None  # the decode step in flight: (its sequences, fetch handle)
+        self.progress = None  # generate's progress callback, while it runs
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
         most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
@@ -2097,11 +2101,11 @@ class Engine:
 
     # -- scheduling -------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 first_index: int = 0, *, sampling_params=None) -> list[Output]:
+                 first_index: int = 0, *, sampling_params=None, progress=None) -> list[Output]:
         """params: one SamplingParams for every prompt or one a prompt (sampling_params, vLLM's name for it, works
         too; neither: SamplingParams()'s defaults). first_index: the index of prompts[0] in a larger request sent in
         pieces (the CLI's chunks). Sequence i samples with (its seed, first_index + i), so the pieces give what one
-        call would."""
+        call would. progress: called with 1 as each sequence ends (a progress bar's update)."""
         prompts, params = check_prompts(prompts, either_params(params, sampling_params), self.cfg.vocab_size,
                                         first_index)
         pool = self.cache.usable_blocks()
@@ -2132,6 +2136,7 @@ class Engine:
         running: list[Sequence] = []
         order = 0
         c = self.cache
+        self.progress = progress
         try:
             while waiting or prefilling or running:
                 while waiting:  # admit whole groups while slots and blocks last
@@ -2177,6 +2182,9 @@ class Engine:
         except BaseException:  # (KeyboardInterrupt too) the next call finds the cache as a fresh engine would
             self._abandon(seqs)
             raise
+        finally:
+            self.progress = None
+
         def rows(pieces, s):  # one row a fed position
             return torch.from_numpy(np.concatenate(pieces)[: len(s.prompt) + len(s.tokens) - 1])
         return [Output(s.prompt, s.tokens, s.logprobs, rows(s.routing, s), s.finish,
@@ -2341,6 +2349,8 @@ class Engine:
                 if s in running:
                     running.remove(s)
                 self.cache.release(s)
+                if self.progress is not None:
+                    self.progress(1)
             elif not decoding and s not in running:
                 running.append(s)
 
@@ -3221,7 +3231,8 @@ def main(argv=None):
                     help="of the GPU memory free after the weights, for the cache pools (paged engine)")
     ap.add_argument("--num-blocks", type=int, help="blocks of %d entries in each cache pool, instead of as many as "
                     "--mem-fraction leaves room for (paged engine)" % BLOCK_ENTRIES)
-    ap.add_argument("--chunk", type=int, default=256, help="prompts per generate call (the progress bar's step)")
+    ap.add_argument("--chunk", type=int, default=256, help="requests (prompts x --n) an engine call; a chunk's "
+                    "completions are on disk before the next one starts")
     ap.add_argument("--resume", action="store_true",
                     help="continue an interrupted run (same arguments and prompts) from <out>.partial, keeping "
                          "its whole chunks (each generated as one batch, as an uninterrupted run would)")
@@ -3435,14 +3446,13 @@ def main(argv=None):
     todo = range(start, len(prompts), args.chunk)  # the chunks' first requests; in a round group g takes the g-th
     G = ranks.groups
     with open(partial, "a" if start else "w") if lead else nullcontext() as f, \
-            tqdm(desc="generating", unit="chunk", initial=start // args.chunk, total=-(-len(prompts) // args.chunk),
-                 disable=not lead) as bar:
+            tqdm(desc="generating", unit="completion", initial=start, total=len(prompts), disable=not lead) as bar:
         for k in range(0, len(todo), G):
             text = None
             if k + ranks.group < len(todo):
                 first = todo[k + ranks.group]
                 outs = engine.generate(prompts[first:first + args.chunk], params[first:first + args.chunk],
-                                       first_index=first)
+                                       first_index=first, progress=bar.update if lead else None)
                 text = records(first, outs) if ranks.rank % ranks.ep_size == 0 else None
             texts = [text]
             if G > 1:  # every group's first rank sends its chunk's lines; rank 0 writes them in chunk order
@@ -3450,12 +3460,13 @@ def main(argv=None):
                 dist.gather_object(text, got, dst=0, group=ranks.gather)
                 texts = got[::ranks.ep_size] if lead else []
             if lead:
-                for t in texts:
+                for g, t in enumerate(texts):
                     if t is not None:  # (None: a group past the last chunk)
                         f.write(t[0])
                         rewards += t[1]
+                        if g:  # (the other groups' completions; rank 0's own counted as they ended)
+                            bar.update(len(t[1]))
                 f.flush()
-                bar.update(min(G, len(todo) - k))
         if lead:
             os.fsync(f.fileno())
     counts = cli_cache_counts(engine, ranks)

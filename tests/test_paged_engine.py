@@ -899,6 +899,7 @@ def test_cli_under_torchrun_splits_the_experts_and_resumes(model, tmp_path, monk
     assert p.returncode != 0 and "o.jsonl.partial.json is missing" in p.stderr, p.stderr[-3000:]
     p = torchrun("rollout_server.py", 2, *args, "--out", str(out), "--ep", "1", timeout=300)
     assert p.returncode == 0 and "expert parallel" not in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "10/10 [" in p.stderr  # (rank 0's bar: its own completions as they end, the other group's as they come)
     assert p.stdout.count("completions to") == p.stdout.count("(none waited for cache blocks or was preempted)") == 1
     same_as_ref()
     with pytest.raises(SystemExit):
@@ -1127,8 +1128,9 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
     stop_generate_at(monkeypatch, 0)
     capsys.readouterr()
     rollout_server.main([*base, "--resume"])
-    said = capsys.readouterr().out
+    said, bar = capsys.readouterr()
     assert "resuming: 4 of 12 completions kept" in said and line in said.splitlines(), said
+    assert " 4/12 [" in bar and "12/12 [" in bar and "completion/s" in bar  # (the bar counts completions as they end)
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows
     # token-id prompts with answers and no tokenizer: not scored, and said so
     src.write_text(json.dumps({"prompt_token_ids": [3, 4], "answer": 7}) + "\n" + json.dumps([5]) + "\n")
@@ -1142,6 +1144,28 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
         src.write_text(json.dumps(prompts[0]) + "\n" + json.dumps(bad) + "\n")
         with pytest.raises(SystemExit, match=re.escape(msg)):
             rollout_server.main(base)
+
+
+def test_generate_reports_each_sequence_as_it_ends(model):
+    """generate(progress=f) calls f(1) once a sequence ends, as it ends (the CLI's bar counts completions: it counted
+    whole chunks before, standing still through a long one), with preemption too; and the same in the twin."""
+    prompts = _prompts([5, 30, 3, 30, 28, 12], seed=2)
+    sp = [SamplingParams(temperature=0.8, max_tokens=t, seed=1, ignore_eos=True) for t in (3, 30, 1, 30, 30, 7)]
+    small = Engine(model, fp8=False, dtype=torch.float32, device="cpu", max_model_len=64, max_seqs=3, num_blocks=8,
+                   block_entries=4)
+    for eng in (small, SimpleEngine(model, fp8=False, dtype=torch.float32, device="cpu")):
+        ends = []
+
+        def seen(n):
+            assert n == 1
+            ends.append(getattr(eng, "stats", {}).get("decode_steps"))
+        outs = eng.generate(prompts, sp, progress=seen)
+        assert len(ends) == len(prompts) and [len(o.token_ids) for o in outs] == [3, 30, 1, 30, 30, 7]
+        if eng is small:  # (the first ended before most of the run's steps; the longest at the end)
+            assert eng.stats["preemptions"] > 0 and ends == sorted(ends) and ends[0] < ends[-1] / 2, (ends, eng.stats)
+            assert eng.progress is None
+        ends.clear()
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in outs] and not ends
 
 
 def test_stop_tokens_eos_and_limits(model):
