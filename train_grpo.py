@@ -1507,7 +1507,11 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                                                        math.isfinite(ts["mismatch_kl"]))
                 stop = nonfinite_run >= cfg.train.max_nonfinite_steps or broken
                 if cfg.eval.every > 0 and (step % cfg.eval.every == 0 or last) and not stop:
-                    m.update(evaluate(cfg, task, tok, client, step))
+                    t4 = time.perf_counter()
+                    ev = evaluate(cfg, task, tok, client, step)
+                    m.update(ev, time_eval_s=time.perf_counter() - t4)
+                    tqdm.write(f"step {step}: evaluation of {len(task.eval_items())} prompts: "
+                               + ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in ev.items()))
                 with open(metrics_path, "a") as f:  # before the checkpoint: a resume from it finds this step's line
                     f.write(metrics_line(m) + "\n")
                 if cfg.ckpt.every > 0 and (step % cfg.ckpt.every == 0 or last) and not stop:

@@ -74,4 +74,7 @@ def test_jsonl_task_with_trained_tokenizer_end_to_end(tmp_path, bpe):
         f"line {data}:37: Expecting property name" in said, said[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and "eval_greedy_acc" in rows[1]
+    k = next(int(x[len("eval_pass@"):]) for x in rows[1] if x.startswith("eval_pass@"))
+    assert f"step 2: evaluation of 4 prompts: greedy_acc {rows[1]['eval_greedy_acc']:.3f}, pass@{k} " \
+        f"{rows[1][f'eval_pass@{k}']:.3f}\n" in said and "time_eval_s" in rows[1] and "time_eval_s" not in rows[0]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
