@@ -3162,14 +3162,22 @@ def cache_note(counts: dict, more: str) -> str:
 
 def score_note(rewards: list, n: int) -> str:
     """The CLI's evaluation line: rewards of a run's completions in request order (a prompt's n samples follow each
-    other; None for a prompt with no answer), their mean, and with n > 1 the share of prompts with a correct one."""
+    other; None for a prompt with no answer), their mean, and with n > 1 pass@k for k = 2, 4, ... below n (the
+    unbiased estimate from n samples: 1 - C(n - c, k) / C(n, k) a prompt with c correct, averaged) and k = n (the
+    share of prompts with a correct one)."""
     got = [(j, r) for j, r in enumerate(rewards) if r is not None]
     right = sum(r == 1.0 for _, r in got)
     line = (f"scored {len(got) // n} prompt(s) x {n} sample(s) against their answers: mean reward "
             f"{sum(r for _, r in got) / len(got):.4f} ({right} of {len(got)} completions correct)")
     if n > 1:
-        hit = {j // n for j, r in got if r == 1.0}
-        line += f", pass@{n} {len(hit) / (len(got) // n):.4f} ({len(hit)} of {len(got) // n} prompts)"
+        correct = {}
+        for j, r in got:
+            correct[j // n] = correct.get(j // n, 0) + (r == 1.0)
+        for k in [2 ** i for i in range(1, n.bit_length()) if 2 ** i < n]:
+            est = sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in correct.values()) / len(correct)
+            line += f", pass@{k} {est:.4f}"
+        hit = sum(c > 0 for c in correct.values())
+        line += f", pass@{n} {hit / len(correct):.4f} ({hit} of {len(correct)} prompts)"
     return line
 
 

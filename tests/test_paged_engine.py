@@ -1118,9 +1118,15 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
     assert want[a] == 1.0 and want[3:6] == [0.0] * 3 and want[b] == 1.0 and "reward" not in rows[9]
     right = int(sum(want[:9]))
     hit = sum(any(w == 1.0 for w in want[j:j + 3]) for j in (0, 3, 6))
+    # pass@2 from 3 samples: a prompt with c correct ones, the chance that 2 of its 3 drawn hold one
+    two = sum({0: 0, 1: 2 / 3, 2: 1, 3: 1}[int(sum(want[j:j + 3]))] for j in (0, 3, 6)) / 3
     line = (f"scored 3 prompt(s) x 3 sample(s) against their answers: mean reward {right / 9:.4f} ({right} of 9 "
-            f"completions correct), pass@3 {hit / 3:.4f} ({hit} of 3 prompts)")
+            f"completions correct), pass@2 {two:.4f}, pass@3 {hit / 3:.4f} ({hit} of 3 prompts)")
     assert hit == 2 and line in said.splitlines(), said
+    # 8 samples, 1 and 2 correct: pass@2 (1 - 21/28 + 1 - 15/28) / 2, pass@4 (1 - 35/70 + 1 - 15/70) / 2
+    assert rollout_server.score_note([1.0] + [0.0] * 7 + [1.0, 1.0] + [0.0] * 6 + [None] * 8, 8).endswith(
+        "mean reward 0.1875 (3 of 16 completions correct), pass@2 0.3571, pass@4 0.6429, pass@8 1.0000 (2 of 2 "
+        "prompts)")
     # interrupted after its first chunk, then resumed: the kept chunk's rewards count in the same line
     stop_generate_at(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
