@@ -128,6 +128,8 @@ class TaskConfig:
     digits_length: int = 3
     path: str = ""                    # jsonl: {"prompt": ..., "answer": ...} per line
     eval_path: str = ""
+    prompt_key: str = "prompt"        # jsonl: the lines' keys (GSM8K's own files: question; MATH's: problem,
+    answer_key: str = "answer"        # solution)
     strict: bool = False              # jsonl: a malformed line is fatal instead of skipped and counted
     tokenizer: str = ""               # jsonl: tokenizer.json (or a directory holding one)
     chat_template: str = "{prompt}"
@@ -146,6 +148,9 @@ class TaskConfig:
         _need(self, "digits_length", self.digits_length >= 1, ">= 1")
         _need(self, "eval_size", self.eval_size >= 1, ">= 1")
         _need(self, "long_prompts", self.long_prompts in ("skip", "truncate", "error"), "skip, truncate or error")
+        _need(self, "prompt_key", bool(self.prompt_key), "a key name")
+        _need(self, "answer_key", bool(self.answer_key) and self.answer_key != self.prompt_key,
+              "a key name other than task.prompt_key")
 
 
 @dataclass
@@ -624,7 +629,7 @@ def make_task(cfg: RunConfig):
         tok = CharTokenizer("0123456789:")
     else:
         try:
-            task = JsonlTask(t.path, cfg.seed, t.eval_path or None, t.eval_size, t.strict)
+            task = JsonlTask(t.path, cfg.seed, t.eval_path or None, t.eval_size, t.strict, t.prompt_key, t.answer_key)
             tok = HFTokenizer(t.tokenizer, t.chat_template, t.bos_token or None, t.eos_token or None)
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"task: {e}") from None

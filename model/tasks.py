@@ -3,8 +3,9 @@
 * `DigitTask`: procedurally generated digit puzzles with the built-in character tokenizer. The answer is a
   function of the prompt (no constant output beats chance); prompts whose hash falls in the held-out bucket are
   never used for training and make up the evaluation set.
-* `JsonlTask`: `{"prompt": ..., "answer": ...}` lines (GSM8K `#### 42` and `\\boxed{}` answers understood), scored
-  by `math_reward`, which compares final answers after number/expression normalization.
+* `JsonlTask`: `{"prompt": ..., "answer": ...}` lines (or other keys: GSM8K's `question`), GSM8K `#### 42` and
+  `\\boxed{}` answers understood, scored by `math_reward`, which compares final answers after number/expression
+  normalization.
 Both give `batch(n)` (deterministic from the seed and an internal cursor), `eval_items()`, `reward(completion,
 answer)` in [0, 1], `correct(completion, answer)` and `state()` / `load_state()` for checkpoints.
 """
@@ -231,8 +232,9 @@ class JsonlTask:
     to their final answer. Malformed lines are skipped and counted (`bad_lines`), or fatal with strict=True."""
 
     def __init__(self, path: str | Path, seed: int = 0, eval_path: str | Path | None = None, eval_size: int = 64,
-                 strict: bool = False):
+                 strict: bool = False, prompt_key: str = "prompt", answer_key: str = "answer"):
         self.seed, self.cursor, self.bad_lines = seed, 0, 0
+        self.keys = (prompt_key, answer_key)  # the lines' (GSM8K's own files say question; MATH's problem, solution)
         self.first_bad: str | None = None  # where the first malformed line is, and what is wrong with it
         self._order: tuple[int, list[int]] = (-1, [])
         items = self._read(Path(path), strict)
@@ -267,11 +269,12 @@ class JsonlTask:
             try:
                 d = json_line(line)
                 if not isinstance(d, dict):
-                    raise ValueError(f"a JSON object with prompt and answer, not {json.dumps(d)[:40]}")
-                missing = [k for k in ("prompt", "answer") if k not in d]
-                if missing:  # (GSM8K's own files say question)
-                    raise ValueError(f"no {' or '.join(missing)} (the line has {', '.join(d) or 'no key'})")
-                prompt, answer = d["prompt"], d["answer"]
+                    raise ValueError(f"a JSON object with {' and '.join(self.keys)}, not {json.dumps(d)[:40]}")
+                missing = [k for k in self.keys if k not in d]
+                if missing:
+                    raise ValueError(f"no {' or '.join(missing)} (the line has {', '.join(d) or 'no key'}; "
+                                     f"task.prompt_key and task.answer_key name others)")
+                prompt, answer = (d[k] for k in self.keys)
                 if not isinstance(prompt, str) or not prompt.strip():
                     raise ValueError("empty or non-string prompt")
                 prompt.encode("utf-8")  # a lone surrogate (an escaped "\ud800") raises UnicodeEncodeError

@@ -102,16 +102,28 @@ def test_jsonl_task_lines_answers_and_held_out_copies(tmp_path):
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text("".join(json.dumps(d) + "\n" for d in ({"question": "1+1?", "answer": "#### 2"}, [1, 2],
                                                          {"prompt": "a"})))
+    other = "; task.prompt_key and task.answer_key name others"
     with pytest.raises(ValueError, match=re.escape(f"{gsm}: no training items left (0 read, 3 malformed lines, the "
-                                                   f"first {gsm}:1: no prompt (the line has question, answer), 0 held")):
+                                                   f"first {gsm}:1: no prompt (the line has question, answer{other}), "
+                                                   f"0 held")):
         JsonlTask(gsm)
-    for line, why in (({"question": "1+1?", "answer": "#### 2"}, "no prompt (the line has question, answer)"),
+    for line, why in (({"question": "1+1?", "answer": "#### 2"}, f"no prompt (the line has question, answer{other})"),
                       ([1, 2], "a JSON object with prompt and answer, not [1, 2]"),
-                      ({"prompt": "a"}, "no answer (the line has prompt)"), ({}, "no prompt or answer (the line has "
-                                                                                "no key)")):
+                      ({"prompt": "a"}, f"no answer (the line has prompt{other})"),
+                      ({}, f"no prompt or answer (the line has no key{other})")):
         gsm.write_text(json.dumps(line) + "\n")
         with pytest.raises(ValueError, match=re.escape(f"{gsm}:1: malformed line ({why})")):
             JsonlTask(gsm, strict=True)
+    # and read with its own keys: GSM8K's question, MATH's problem and solution (the last \\boxed{} its answer)
+    gsm.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"so {i}+1 = {i + 1}\n#### {i + 1}"}) + "\n"
+                           for i in range(6)))
+    t = JsonlTask(gsm, eval_size=2, strict=True, prompt_key="question")
+    assert sorted((it.prompt, it.answer) for it in t.items + t.eval_items()) == [(f"{i}+1?", f"{i + 1}") for i in
+                                                                                range(6)]
+    gsm.write_text(json.dumps({"problem": "x?", "solution": "it is $\\boxed{\\frac{1}{2}}$."}) + "\n" +
+                   json.dumps({"problem": "y?", "solution": "\\boxed{3}"}) + "\n")
+    t = JsonlTask(gsm, eval_size=1, strict=True, prompt_key="problem", answer_key="solution")
+    assert sorted(it.answer for it in t.items + t.eval_items()) == ["3", "\\frac{1}{2}"]
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(12)))
     with pytest.raises(ValueError, match=r"no training items left \(12 read, 0 malformed.*task\.eval_size=64"):

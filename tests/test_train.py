@@ -2,6 +2,7 @@
 test_recovery.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,10 @@ def test_world_and_config_validation(tmp_path):
         RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=2", "rollout.max_model_len=512"])
     with pytest.raises(ConfigError, match=r"rollout\.num_blocks: must be >= 0"):
         RunConfig.load("configs/tiny.yaml", ["rollout.num_blocks=-1"])
+    for item, said in (("task.prompt_key=''", "task.prompt_key: must be a key name"),
+                       ("task.answer_key=prompt", "task.answer_key: must be a key name other than task.prompt_key")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            RunConfig.load("configs/tiny.yaml", [item])
     for name in ("tiny", "mini", "dsv4"):
         RunConfig.load(f"configs/{name}.yaml")
 
@@ -63,12 +68,12 @@ def test_jsonl_task_with_trained_tokenizer_end_to_end(tmp_path, bpe):
     """The real-data path through the whole loop: JSONL items, a tokenizer.json, a chat template, math rewards."""
     tok = bpe([f"what is {a} plus {b} ? the answer is {a + b}" for a in range(10) for b in range(10)])
     data = tmp_path / "train.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"what is {a} plus {b} ?", "answer": f"... #### {a + b}"})
-                              for a in range(6) for b in range(6)) + "\n{broken\n")
+    data.write_text("\n".join(json.dumps({"question": f"what is {a} plus {b} ?", "answer": f"... #### {a + b}"})
+                              for a in range(6) for b in range(6)) + "\n{broken\n")  # (GSM8K's keys)
     out = tmp_path / "run"
-    extra = ["task.kind=jsonl", f"task.path={data}", f"task.tokenizer={tmp_path}", "task.chat_template=<user> {prompt} <bot>",
-             "task.bos_token=<s>", "task.eos_token=</s>", "task.eval_size=4", f"model.vocab_size={tok.get_vocab_size()}",
-             "rollout.max_tokens=4"]
+    extra = ["task.kind=jsonl", f"task.path={data}", "task.prompt_key=question", f"task.tokenizer={tmp_path}",
+             "task.chat_template=<user> {prompt} <bot>", "task.bos_token=<s>", "task.eos_token=</s>", "task.eval_size=4",
+             f"model.vocab_size={tok.get_vocab_size()}", "rollout.max_tokens=4"]
     said = finish(launch(out, 2, extra))
     assert f"skipped or cut: malformed_lines 1, long_prompts_skip 0, eval_long_prompts_skip 0 (the first malformed " \
         f"line {data}:37: Expecting property name" in said, said[-3000:]
