@@ -1388,11 +1388,14 @@ class PagedCache:
                                                                                          cfg.hca_ratio))}
 
     @classmethod
-    def least_blocks(cls, cfg, max_len: int, block_entries: int) -> int:
-        """The fewest blocks a pool may have (a fixed num_blocks, one for every pool) and still serve one sequence of
-        max_len positions: its most in any pool a layer writes, and the scratch block."""
-        most = cls.seq_blocks(cfg, max_len, block_entries)
-        return 1 + max([most[k] for k in set(cls.layer_kinds(cfg).values())], default=0)
+    def too_few_blocks(cls, cfg, num_blocks: int, max_len: int, max_len_name: str) -> str | None:
+        """Why num_blocks blocks a pool (a fixed num_blocks, of BLOCK_ENTRIES entries) cannot serve one sequence of
+        max_len positions (its most in any pool a layer writes, and the scratch block), or None; max_len_name: the
+        setting's name (the CLI's flag, a run's config key)."""
+        most = cls.seq_blocks(cfg, max_len, BLOCK_ENTRIES)
+        least = 1 + max([most[k] for k in set(cls.layer_kinds(cfg).values())], default=0)
+        return (f"blocks of {BLOCK_ENTRIES} entries cannot hold one sequence of {max_len_name} {max_len} ({least} "
+                f"needed, one of them scratch") if num_blocks < least else None
 
     @staticmethod
     def layer_kinds(cfg: ModelConfig) -> dict:
@@ -2051,8 +2054,8 @@ class Engine:
         if num_blocks is not None:  # fixed (a dict may leave out a pool no layer writes: no bytes; checked above)
             fixed = ({**full, **{k: int(n) for k, n in num_blocks.items()}} if isinstance(num_blocks, dict) else
                      {k: int(num_blocks) for k in full})
-            free, need = free_device_memory(self.device), size(fixed)  # (a GPU's: checked before the pools are made)
-            if free is not None and need > free:
+            free = free_device_memory(self.device)  # (a GPU's: checked before the pools are made)
+            if free is not None and (need := size(fixed)) > free:
                 gib = 2 ** -30
                 raise ValueError(f"invalid engine arguments: the cache does not fit: num_blocks={num_blocks!r} for "
                                  f"max_seqs={self.max_seqs} sequences take {need * gib:.2f} GiB against the "
@@ -3149,14 +3152,17 @@ def cli_cache_counts(engine, ranks: CliRanks, since: dict | None = None) -> dict
     return mine if ranks.rank == 0 else dict.fromkeys(mine, 0)
 
 
-def cache_note(counts: dict, more: str) -> str:
-    """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise).
-    more: the settings that give the pools more blocks (the CLI's flags; a run's config keys)."""
+def cache_note(counts: dict, fixed: bool, names=("--num-blocks", "--mem-fraction", "--max-seqs")) -> str:
+    """The CLI's last line's ending: what a cache too small for the requests cost (a silent slowdown otherwise),
+    and the settings that give the pools more blocks: names, those of num_blocks (fixed: it set them), mem_fraction
+    and max_seqs (the CLI's flags; a run's config keys)."""
     cost = [f"{counts['cache_waits']} sequence(s) waited for cache blocks with a slot free"] \
         if counts["cache_waits"] else []
     cost += [f"{counts['preemptions']} sequence(s) preempted and recomputed"] if counts["preemptions"] else []
     if not cost:
         return " (none waited for cache blocks or was preempted)"
+    more = (f"a larger {names[0]}" if fixed else
+            f"a larger {names[1]}, or a smaller {names[2]} whose slots take a share,")
     return f" ({'; '.join(cost)}: {more} gives the cache pools more blocks)"
 
 
@@ -3359,10 +3365,9 @@ def main(argv=None):
     if args.max_model_len is None:  # no warning of positions past the model's context unless a request needs them
         need = args.prompt_len + args.max_tokens if args.bench else max(len(p) + q.max_tokens for p, q, *_ in lines)
         args.max_model_len = min(MAX_MODEL_LEN, max(cfg.max_position_embeddings, need))
-    least = args.num_blocks and PagedCache.least_blocks(cfg, args.max_model_len, BLOCK_ENTRIES)
-    if args.num_blocks is not None and args.num_blocks < least:
-        ap.error(f"--num-blocks {args.num_blocks}: blocks of {BLOCK_ENTRIES} entries cannot hold one sequence of "
-                 f"--max-model-len {args.max_model_len} ({least} needed, one of them scratch)")
+    short = args.num_blocks and PagedCache.too_few_blocks(cfg, args.num_blocks, args.max_model_len, "--max-model-len")
+    if short:
+        ap.error(f"--num-blocks {args.num_blocks}: {short})")
     if not args.bench:
         for p, q, n, _ in lines:  # the engine's own check names no line
             if args.engine == "paged" and len(p) + q.max_tokens > args.max_model_len:
@@ -3377,8 +3382,6 @@ def main(argv=None):
     if args.engine == "paged":
         kw.update(max_seqs=args.max_seqs, max_model_len=args.max_model_len, cuda_graphs=not args.no_graphs,
                   mem_fraction=args.mem_fraction, num_blocks=args.num_blocks)
-    more = ("a larger --num-blocks" if args.num_blocks else
-            "a larger --mem-fraction, or a smaller --max-seqs whose slots take a share,")
     try:
         engine = (Engine if args.engine == "paged" else SimpleEngine)(model, progress=lead, **kw)
     except (OSError, ConfigError, WeightError) as e:  # the checkpoint's tensors (the config read fine above)
@@ -3415,7 +3418,7 @@ def main(argv=None):
         if lead:  # (each group ran the batch: rank 0's timed)
             print(f"{args.batch} x ({args.prompt_len} prompt + {args.max_tokens} generated) on {ranks}: {dt:.2f} s, "
                   f"{gen / dt:.0f} generated tokens/s, {(gen + args.batch * args.prompt_len) / dt:.0f} tokens/s "
-                  f"overall{cache_note(counts, more)}")
+                  f"overall{cache_note(counts, bool(args.num_blocks))}")
         return
     prompts, params, answers = ([x[k] for x in lines] for k in (0, 1, 3))
     if tok is None and any(a is not None for a in answers) and lead:
@@ -3482,7 +3485,7 @@ def main(argv=None):
         return
     os.replace(partial, args.out)
     meta.unlink(missing_ok=True)
-    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts, more)}")
+    print(f"wrote {len(prompts)} completions to {args.out}{cache_note(counts, bool(args.num_blocks))}")
     if scored:
         print(score_note(rewards, args.n))
 

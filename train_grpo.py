@@ -85,9 +85,9 @@ from model.tasks import DigitTask, Item, JsonlTask, completion_text
 from model.tokenizer import CharTokenizer, HFTokenizer
 from kernels.fp8_gemm import block_quant
 from kernels.quant import fp8_dtype
-from rollout_server import (BLOCK_ENTRIES, CACHE_COUNTS, FP8_SCALE, WATCHDOG, Engine, Output, PagedCache,
-                            RolloutClient, SamplingParams, SimpleEngine, cache_note, checksum, fault_point,
-                            is_fp8_held, phase, serve)
+from rollout_server import (CACHE_COUNTS, FP8_SCALE, WATCHDOG, Engine, Output, PagedCache, RolloutClient,
+                            SamplingParams, SimpleEngine, cache_note, checksum, fault_point, is_fp8_held, phase,
+                            serve)
 
 # ---------------------------------------------------------------------------------------------------------
 # configuration
@@ -353,12 +353,10 @@ class RunConfig:
     def _check_pools(self, path):
         """rollout.num_blocks, where set, must hold one sequence of rollout.max_model_len in each pool the model's
         layers write (the engine's blocks of BLOCK_ENTRIES entries; one block a pool is scratch)."""
-        n, L = self.rollout.num_blocks, self.rollout.max_model_len
-        least = PagedCache.least_blocks(self.model, L, BLOCK_ENTRIES)
-        if 0 < n < least:
-            raise ConfigError(f"{path}: rollout.num_blocks: {n} blocks of {BLOCK_ENTRIES} entries cannot hold one "
-                              f"sequence of rollout.max_model_len {L} ({least} needed, one of them scratch; 0 sizes "
-                              f"the pools from the free memory)")
+        n = self.rollout.num_blocks
+        short = n and PagedCache.too_few_blocks(self.model, n, self.rollout.max_model_len, "rollout.max_model_len")
+        if short:
+            raise ConfigError(f"{path}: rollout.num_blocks: {n} {short}; 0 sizes the pools from the free memory)")
 
     @staticmethod
     def _init_from_differs(init_from: str, mine: dict, theirs: dict, overrides):
@@ -1529,11 +1527,10 @@ def run_driver(cfg: RunConfig, d: Dist, actor: Actor, task, tok, start: int, ckp
                                 kl=f"{m['mismatch_kl']:.1e}")
                 if any(rs[k] for k in CACHE_COUNTS) and not short_cache_said:
                     short_cache_said = True  # (metrics.jsonl counts every step's)
-                    more = ("a larger rollout.num_blocks" if cfg.rollout.num_blocks else
-                            "a larger rollout.mem_fraction, or a smaller rollout.max_seqs whose slots take a share,")
-                    tqdm.write(f"warning: step {step}: the rollout ran short of cache blocks{cache_note(rs, more)}; "
-                               f"said once, metrics.jsonl's rollout_cache_waits and rollout_preemptions count each "
-                               f"step's")
+                    note = cache_note(rs, bool(cfg.rollout.num_blocks),
+                                      ("rollout.num_blocks", "rollout.mem_fraction", "rollout.max_seqs"))
+                    tqdm.write(f"warning: step {step}: the rollout ran short of cache blocks{note}; said once, "
+                               f"metrics.jsonl's rollout_cache_waits and rollout_preemptions count each step's")
                 if ts["nonfinite_updates"]:
                     print(f"step {step}: {int(ts['nonfinite_updates'])} update(s) skipped, NaN/Inf loss or gradient "
                           f"({nonfinite_run} step(s) in a row)", flush=True)
