@@ -3057,8 +3057,9 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
 
 
 # the arguments that decide what a --prompts/--out run writes: a resumed run must be given the same ones
-_RUN_ARGS = ("model", "tokenizer", "chat_template", "bos_token", "bf16", "fp8_scale_fmt", "engine", "max_tokens",
-             "temperature", "top_p", "top_k", "seed", "n", "chunk", "index_entries", "no_routed_experts")
+_RUN_ARGS = ("model", "tokenizer", "chat_template", "bos_token", "eos_token", "bf16", "fp8_scale_fmt", "engine",
+             "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "chunk", "index_entries",
+             "no_routed_experts")
 
 
 def run_settings(args, prompts: bytes) -> dict:
@@ -3214,6 +3215,17 @@ def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
                     gather)
 
 
+def token_ids_arg(s: str) -> list[int]:
+    """--stop-token-ids' value: token ids (integers >= 0) separated by commas."""
+    try:
+        ids = [int(x) for x in s.split(",")]
+    except ValueError:
+        ids = None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{s!r}: token ids (integers >= 0) separated by commas, e.g. 7,42")
+    return ids
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Generate with the FP8 DeepSeek-V4 engine, or measure its throughput. "
                                  "Under torchrun the ranks form groups of --ep (default: all of them) that share out "
@@ -3224,21 +3236,36 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, help="JSONL outputs")
     ap.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one, such as the checkpoint's (for "
                                         "text prompts, decoded outputs, and prompt lines' answers scored)")
-    ap.add_argument("--chat-template", default="{prompt}")
-    ap.add_argument("--bos-token", help="a token put before each text prompt (train_grpo's task.bos_token)")
+    ap.add_argument("--chat-template", default="{prompt}",
+                    help="a text prompt's format, around its one {prompt} (train_grpo's task.chat_template; "
+                         "default: the prompt alone)")
+    ap.add_argument("--bos-token", help="a token of --tokenizer put before each text prompt (train_grpo's "
+                    "task.bos_token)")
+    ap.add_argument("--eos-token", help="a token of --tokenizer that ends a completion, in place of the "
+                    "checkpoint's eos_token_id (train_grpo's task.eos_token)")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
     ap.add_argument("--fp8-scale-fmt", choices=["fp32", "ue8m0"],
                     help="FP8 block scales (default: an FP8 checkpoint's own, its weights keeping their bits; "
                          "else fp32)")
-    ap.add_argument("--engine", choices=["paged", "simple"], default="paged")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", choices=["paged", "simple"], default="paged",
+                    help="paged: the paged cache, continuous batching and CUDA graphs; simple: its unpaged "
+                         "reference twin (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="new tokens a completion may reach (default: "
+                    "%(default)s; a prompt line's max_tokens overrides it)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: %(default)s)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass, in (0, 1] (default: "
+                    "%(default)s, off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: "
+                    "%(default)s, off)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed: request i draws with (seed, i), the "
+                    "same tokens in any batch or chunk (default: %(default)s)")
+    ap.add_argument("--stop-token-ids", type=token_ids_arg, metavar="IDS",
+                    help="token ids, separated by commas, that end a completion besides the end-of-sequence "
+                         "token (a prompt line's own stop_token_ids replace them)")
     ap.add_argument("--n", "--samples", type=int, default=1,
                     help="samples per prompt (under torchrun --samples: torchrun takes --n as its own --nnodes ...)")
-    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--max-seqs", type=int, default=256, help="sequences decoded together at most (paged "
+                    "engine; default: %(default)s)")
     ap.add_argument("--max-model-len", type=int, help="positions a sequence may reach (default: what the longest "
                     "request needs, at least the model's max_position_embeddings, at most 8192)")
     ap.add_argument("--mem-fraction", type=float, default=0.85,
@@ -3251,9 +3278,9 @@ def main(argv=None):
                     help="continue an interrupted run (same arguments and prompts) from <out>.partial, keeping "
                          "its whole chunks (each generated as one batch, as an uninterrupted run would)")
     ap.add_argument("--bench", action="store_true", help="random prompts: print throughput")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--batch", type=int, default=64, help="--bench: prompts (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=512, help="--bench: tokens a prompt (default: %(default)s)")
+    ap.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs (paged engine)")
     ap.add_argument("--ep", type=int, help="under torchrun: ranks a group, which share out the routed experts "
                     "(default: all ranks; 1: each rank a whole model, the ranks splitting the chunks)")
     ap.add_argument("--index-entries", action="store_true",
@@ -3276,6 +3303,11 @@ def main(argv=None):
         ap.error(f"--mem-fraction must be in (0, 1], got {args.mem_fraction}")
     if args.num_blocks is not None and args.engine != "paged":
         ap.error("--num-blocks sizes the paged engine's cache pools: not with --engine simple")
+    for flag in ("bos_token", "eos_token"):
+        if getattr(args, flag) is not None and not args.tokenizer:
+            ap.error(f"--{flag.replace('_', '-')} names a token of the tokenizer's: give --tokenizer too")
+    if args.bench and args.stop_token_ids:
+        ap.error("--stop-token-ids: --bench generates --max-tokens for every prompt")
     if not args.bench:
         if args.prompts is None or args.out is None:
             ap.error("--prompts and --out are required (or --bench)")
@@ -3312,20 +3344,27 @@ def main(argv=None):
             cfg = load_hf_config(args.model)
     except (OSError, ConfigError, WeightError) as e:
         ap.error(f"--model: {e}")
+    bad = outside(args.stop_token_ids or [], cfg.vocab_size)
+    if bad is not None:
+        ap.error(f"--stop-token-ids: token id {bad} outside the model's vocabulary [0, {cfg.vocab_size})")
     ranks = cli_ranks(cfg.n_routed_experts, args.ep, ap)
     device, ep, lead = ranks.device, ranks.ep, ranks.rank == 0  # (rank 0 prints and writes)
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.bench)
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.bench,
+                            stop_token_ids=args.stop_token_ids or [])
     except ValueError as e:
         ap.error(str(e))
     tok = None
     if args.tokenizer:
         from model.tokenizer import HFTokenizer
         try:
-            tok = HFTokenizer(args.tokenizer, args.chat_template, args.bos_token or None)
+            tok = HFTokenizer(args.tokenizer, args.chat_template, args.bos_token or None, args.eos_token or None)
         except (OSError, ValueError, ImportError) as e:
-            ap.error(f"--tokenizer / --chat-template / --bos-token: {e}")
+            ap.error(f"--tokenizer / --chat-template / --bos-token / --eos-token: {e}")
+        for flag, i in (("--bos-token", tok.bos_id), ("--eos-token", tok.eos_id)):
+            if i is not None and i >= cfg.vocab_size:
+                ap.error(f"{flag}: token id {i} outside the model's vocabulary [0, {cfg.vocab_size})")
     start = 0
     if not args.bench:
         try:
@@ -3390,6 +3429,8 @@ def main(argv=None):
         if not str(e).startswith("invalid engine arguments"):
             raise
         raise SystemExit(f"error: {e}") from None
+    if tok is not None and tok.eos_id is not None:  # (as the trainer's task.eos_token replaces the model's)
+        engine.cfg.eos_token_id = tok.eos_id
     if ep is not None and lead:
         ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
         print(f"expert parallel: each of {ep[1]} ranks holds {ex.n_local} of the {ex.n_total} routed experts a layer")

@@ -1004,7 +1004,19 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
                       # not a tokenizer.json: a raw Exception from the tokenizers package before
                       (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],
-                       "--tokenizer / --chat-template / --bos-token: ")):
+                       "--tokenizer / --chat-template / --bos-token / --eos-token: "),
+                      (["--model", "configs/tiny.yaml", *ok, "--eos-token", "</s>"],
+                       "--eos-token names a token of the tokenizer's: give --tokenizer too"),
+                      (["--model", "configs/tiny.yaml", *ok, "--bos-token", "<s>"],
+                       "--bos-token names a token of the tokenizer's: give --tokenizer too"),
+                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "2,x"],
+                       "argument --stop-token-ids: '2,x': token ids (integers >= 0) separated by commas"),
+                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "-1"],
+                       "argument --stop-token-ids: '-1': token ids"),
+                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "2,14"],
+                       "--stop-token-ids: token id 14 outside the model's vocabulary [0, 14)"),
+                      (["--model", "configs/tiny.yaml", "--bench", "--stop-token-ids", "2"],
+                       "--stop-token-ids: --bench generates --max-tokens for every prompt")):
         with pytest.raises(SystemExit):
             rollout_server.main(argv)
         assert msg in capsys.readouterr().err, argv
@@ -1048,7 +1060,7 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
     <out>.partial, not a file that looks complete, and an earlier --out as it was (it was truncated at the start)."""
     import json
     import rollout_server
-    bpe(["a b c", "one two three", "x y"], vocab_size=60)
+    bpe_tok = bpe(["a b c", "one two three", "x y"], vocab_size=60)
     cfg = tmp_path / "m.yaml"
     cfg.write_text(open("configs/tiny.yaml").read().replace("vocab_size: 14 ", "vocab_size: 64 "))
     src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
@@ -1069,7 +1081,16 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
             rollout_server.main(base)
     with pytest.raises(SystemExit):
         rollout_server.main([*base, "--chat-template", "{system} {prompt}"])
-    assert "--bos-token: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
+    assert "--eos-token: chat template '{system} {prompt}': KeyError" in capsys.readouterr().err
+    tiny = [*base[2:], "--model", "configs/tiny.yaml"]  # (14 token ids: fewer than the tokenizer's)
+    for argv, msg in (([*base, "--eos-token", "<x>"], "eos token '<x>' is not in the vocabulary"),
+                      ([*tiny, "--bos-token", "<s>", "--eos-token", bpe_tok.id_to_token(20)],
+                       "--eos-token: token id 20 outside the model's vocabulary [0, 14)"),
+                      ([*tiny, "--bos-token", bpe_tok.id_to_token(14)],
+                       "--bos-token: token id 14 outside the model's vocabulary [0, 14)")):
+        with pytest.raises(SystemExit):
+            rollout_server.main(argv)
+        assert msg in capsys.readouterr().err, argv
     src.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     out.write_text("an earlier run's output\n")
     stop_generate_at(monkeypatch, 2)
@@ -1077,6 +1098,46 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
         rollout_server.main(base)
     assert out.read_text() == "an earlier run's output\n"
     assert [json.loads(x)["index"] for x in (tmp_path / "o.jsonl.partial").read_text().split("\n") if x] == [0]
+
+
+def test_cli_stop_token_ids_and_eos_token(tmp_path, bpe):
+    """--stop-token-ids ends every completion at those ids (a prompt line's own stop_token_ids replace them);
+    --eos-token ends them at a tokenizer's token in place of the checkpoint's eos_token_id (train_grpo's
+    task.eos_token: a line's ignore_eos passes it). Greedy, so each run's completions are the first run's cut."""
+    import json
+    import rollout_server
+    words = [f"w{i}" for i in range(80)]
+    tok = bpe([" ".join(words[i:i + 3]) for i in range(0, 80, 2)], vocab_size=60)
+    assert tok.get_vocab_size() == 60
+    cfg, src, out = tmp_path / "m.yaml", tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    yaml = open("configs/tiny.yaml").read().replace("vocab_size: 14 ", "vocab_size: 64 ")
+    assert yaml.count("eos_token_id: 2") == 1
+    base = ["--model", str(cfg), "--prompts", str(src), "--out", str(out), "--temperature", "0", "--max-tokens",
+            "16", "--max-model-len", "64"]
+
+    def run(*extra, eos="null", lines=([3, 4, 5], [9, 8])):
+        cfg.write_text(yaml.replace("eos_token_id: 2", f"eos_token_id: {eos}"))
+        src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        rollout_server.main([*base, *extra])
+        return [(r["token_ids"], r["finish_reason"]) for r in map(json.loads, out.read_text().splitlines())]
+    full = run()
+    assert [f for _, f in full] == ["length", "length"]
+    ids = full[0][0]
+    k = next(i for i, t in enumerate(ids) if 0 < i and t < 60 and t not in ids[:i])  # a token first seen at k
+    t, cut = ids[k], (ids[:k + 1], "stop")
+    other = next(i for i in range(3, 60) if i not in full[0][0] + full[1][0])  # in neither completion
+    stopped = run("--stop-token-ids", f"{other},{t}")
+    assert stopped[0] == cut and stopped[1] == (full[1][0][:full[1][0].index(t) + 1] if t in full[1][0] else
+                                                full[1][0], "stop" if t in full[1][0] else "length")
+    own = run("--stop-token-ids", str(t), lines=([3, 4, 5], {"prompt_token_ids": [3, 4, 5], "stop_token_ids": []}))
+    assert own == [cut, full[0]]
+    name = tok.id_to_token(t)
+    tk = ["--tokenizer", str(tmp_path)]
+    assert run(*tk, "--eos-token", name)[0] == cut  # (the config's eos null)
+    # the checkpoint's own eos (here the token at k) is replaced by --eos-token's
+    assert run(eos=t)[0] == cut and run(*tk, "--eos-token", tok.id_to_token(other), eos=t)[0] == full[0]
+    assert run(*tk, "--eos-token", name, lines=([3, 4, 5], {"prompt_token_ids": [3, 4, 5], "ignore_eos": True})) \
+        == [cut, full[0]]
 
 
 def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsys, monkeypatch):
