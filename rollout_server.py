@@ -2988,12 +2988,14 @@ _LINE_FIELDS = {
 MAX_MODEL_LEN = 8192  # the CLI's largest default --max-model-len
 
 
-def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
-                 data: bytes | None = None) -> list[tuple[list[int], SamplingParams, int, str | None]]:
+def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams, data: bytes | None = None,
+                 keys: tuple[str, str] = ("prompt", "answer")) -> list[tuple[list[int], SamplingParams, int, str | None]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's, and
     an "answer" (a training JSONL's: its final answer, as math_reward compares it). data: the file's bytes, if
-    already read. -> (token ids, sampling parameters, line number, final answer or None) a prompt."""
+    already read. keys: the text prompt's and the answer's keys (a dataset's own, GSM8K's question, say).
+    -> (token ids, sampling parameters, line number, final answer or None) a prompt."""
+    pk, ak = keys
     out = []
     from model.tasks import gold_answer, json_line, jsonl_lines
     try:
@@ -3011,14 +3013,16 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
             raise SystemExit(f"{path}:{n}: {e}")
         sp, gold = base, None
         if isinstance(d, dict):
-            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", "prompt", "answer")}
+            over = {k: v for k, v in d.items() if k not in ("prompt_token_ids", pk, ak)}
             bad = sorted(over.keys() - _LINE_FIELDS.keys())
             if bad:
                 raise SystemExit(f"{path}:{n}: unknown key {bad[0]!r} (a prompt line takes prompt_token_ids or "
-                                 f"prompt, answer, and {', '.join(sorted(_LINE_FIELDS))})")
-            if "answer" in d:
+                                 f"{pk}, {ak}, and {', '.join(sorted(_LINE_FIELDS))}"
+                                 + ("; --prompt-key and --answer-key name a dataset's own)" if keys == (
+                                     "prompt", "answer") else ")"))
+            if ak in d:
                 try:
-                    gold = gold_answer(d["answer"])
+                    gold = gold_answer(d[ak])
                 except ValueError as e:
                     raise SystemExit(f"{path}:{n}: {e}") from None
             for k, v in over.items():
@@ -3028,24 +3032,24 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
                 sp = replace(base, **over) if over else base
             except ValueError as e:
                 raise SystemExit(f"{path}:{n}: bad sampling parameters ({e})")
-            if "prompt_token_ids" in d and "prompt" in d:
-                raise SystemExit(f"{path}:{n}: prompt_token_ids or prompt, not both")
+            if "prompt_token_ids" in d and pk in d:
+                raise SystemExit(f"{path}:{n}: prompt_token_ids or {pk}, not both")
             if "prompt_token_ids" in d:
                 d = d["prompt_token_ids"]
-            elif "prompt" in d:
-                if not isinstance(d["prompt"], str) or not d["prompt"]:
-                    raise SystemExit(f"{path}:{n}: prompt = {json.dumps(d['prompt'])} is not a non-empty string")
+            elif pk in d:
+                if not isinstance(d[pk], str) or not d[pk]:
+                    raise SystemExit(f"{path}:{n}: {pk} = {json.dumps(d[pk])} is not a non-empty string")
                 if tokenizer is None:
                     raise SystemExit(f"{path}:{n}: a text prompt needs --tokenizer")
                 try:
-                    text, d = d["prompt"], tokenizer.apply_chat(d["prompt"])
+                    text, d = d[pk], tokenizer.apply_chat(d[pk])
                 except ValueError as e:
-                    raise SystemExit(f"{path}:{n}: prompt: {e}") from None
+                    raise SystemExit(f"{path}:{n}: {pk}: {e}") from None
                 if not d:
-                    raise SystemExit(f"{path}:{n}: prompt = {json.dumps(text)} encodes to no tokens (through the chat "
+                    raise SystemExit(f"{path}:{n}: {pk} = {json.dumps(text)} encodes to no tokens (through the chat "
                                      f"template, with no --bos-token)")
         if not isinstance(d, list) or not d or not all(map(_is_int, d)):
-            raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or prompt")
+            raise SystemExit(f"{path}:{n}: expected a non-empty list of token ids, prompt_token_ids or {pk}")
         for what, ids in (("token id", d), ("stop token id", sp.stop_token_ids)):
             bad = outside(ids, vocab)
             if bad is not None:
@@ -3059,7 +3063,7 @@ def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams,
 # the arguments that decide what a --prompts/--out run writes: a resumed run must be given the same ones
 _RUN_ARGS = ("model", "tokenizer", "chat_template", "bos_token", "eos_token", "bf16", "fp8_scale_fmt", "engine",
              "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n", "chunk", "index_entries",
-             "no_routed_experts")
+             "no_routed_experts", "prompt_key", "answer_key")
 
 
 def run_settings(args, prompts: bytes) -> dict:
@@ -3236,6 +3240,10 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, help="JSONL outputs")
     ap.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one, such as the checkpoint's (for "
                                         "text prompts, decoded outputs, and prompt lines' answers scored)")
+    ap.add_argument("--prompt-key", help="the key of a prompt line's text prompt: a dataset's own, such as GSM8K's "
+                    "question (train_grpo's task.prompt_key; default: prompt)")
+    ap.add_argument("--answer-key", help="the key of a prompt line's answer, which is scored (train_grpo's "
+                    "task.answer_key; default: answer)")
     ap.add_argument("--chat-template", default="{prompt}",
                     help="a text prompt's format, around its one {prompt} (train_grpo's task.chat_template; "
                          "default: the prompt alone)")
@@ -3306,6 +3314,13 @@ def main(argv=None):
     for flag in ("bos_token", "eos_token"):
         if getattr(args, flag) is not None and not args.tokenizer:
             ap.error(f"--{flag.replace('_', '-')} names a token of the tokenizer's: give --tokenizer too")
+    keys = (args.prompt_key or "prompt", args.answer_key or "answer")
+    for flag, k in zip(("--prompt-key", "--answer-key"), keys):
+        if not k or k == "prompt_token_ids" or k in _LINE_FIELDS:
+            ap.error(f"{flag} {k!r}: a key of its own (not empty, prompt_token_ids or a sampling field: "
+                     f"{', '.join(sorted(_LINE_FIELDS))})")
+    if keys[0] == keys[1]:
+        ap.error(f"--prompt-key and --answer-key are both {keys[0]!r}: a line's prompt and answer need keys apart")
     if args.bench and args.stop_token_ids:
         ap.error("--stop-token-ids: --bench generates --max-tokens for every prompt")
     if not args.bench:
@@ -3371,7 +3386,7 @@ def main(argv=None):
             raw = args.prompts.read_bytes()
         except OSError as e:
             ap.error(f"--prompts {args.prompts}: {e}")
-        lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp, raw) for _ in range(args.n)]
+        lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp, raw, keys) for _ in range(args.n)]
         # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one
         # (beside it <out>.partial.json, the run's settings): an interrupted run leaves no file that looks
         # complete, an earlier --out stays as it was, and --resume goes on from the last whole chunk

@@ -1015,6 +1015,12 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "argument --stop-token-ids: '-1': token ids"),
                       (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "2,14"],
                        "--stop-token-ids: token id 14 outside the model's vocabulary [0, 14)"),
+                      (["--model", "configs/tiny.yaml", *ok, "--prompt-key", "max_tokens"],
+                       "--prompt-key 'max_tokens': a key of its own (not empty, prompt_token_ids or a sampling field"),
+                      (["--model", "configs/tiny.yaml", *ok, "--answer-key", "prompt_token_ids"],
+                       "--answer-key 'prompt_token_ids': a key of its own"),
+                      (["--model", "configs/tiny.yaml", *ok, "--answer-key", "prompt"],
+                       "--prompt-key and --answer-key are both 'prompt'"),
                       (["--model", "configs/tiny.yaml", "--bench", "--stop-token-ids", "2"],
                        "--stop-token-ids: --bench generates --max-tokens for every prompt")):
         with pytest.raises(SystemExit):
@@ -1199,6 +1205,17 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
     assert "resuming: 4 of 12 completions kept" in said and line in said.splitlines(), said
     assert " 4/12 [" in bar and "12/12 [" in bar and "completion/s" in bar  # (the bar counts completions as they end)
     assert [json.loads(x) for x in out.read_text().splitlines()] == rows
+    # a dataset's own keys (GSM8K's question; an answer under another name): the same records and line; a line
+    # with the default keys is then refused, naming the key
+    src.write_text("".join(json.dumps({"question": x["prompt"], **({} if a is None else {"solution": a})}) + "\n"
+                           for x, a in zip(prompts, answers)))
+    rollout_server.main([*base, "--prompt-key", "question", "--answer-key", "solution"])
+    assert line in capsys.readouterr().out.splitlines()
+    assert [json.loads(x) for x in out.read_text().splitlines()] == rows
+    src.write_text(json.dumps({"prompt": "1 2", "answer": "3"}) + "\n")
+    with pytest.raises(SystemExit, match=re.escape("p.jsonl:1: unknown key 'answer' (a prompt line takes "
+                                                   "prompt_token_ids or question, solution, and ")):
+        rollout_server.main([*base, "--prompt-key", "question", "--answer-key", "solution"])
     # token-id prompts with answers and no tokenizer: not scored, and said so
     src.write_text(json.dumps({"prompt_token_ids": [3, 4], "answer": 7}) + "\n" + json.dumps([5]) + "\n")
     rollout_server.main(["--model", str(cfg), "--prompts", str(src), "--out", str(out), "--max-tokens", "2"])
