@@ -67,6 +67,7 @@ from kernels.step import step_inputs
 from kernels.quant import BLOCK, dequant_fp8_block, fp8_dtype, quant_fp8_block
 from model.config import CSA, HCA, ModelConfig, load_hf_config
 from model.model import Attention, Experts, Linear, MoE, Transformer, attend, hc_post_mix
+from model.parallel import close_process_groups
 from model.weights import FP8_LINEAR, float_dtype, load_pretrained, load_state, pretrained_skeleton, stored_scale_fmt
 
 
@@ -2989,7 +2990,8 @@ MAX_MODEL_LEN = 8192  # the CLI's largest default --max-model-len
 
 
 def read_prompts(path: Path, tokenizer, vocab: int, base: SamplingParams, data: bytes | None = None,
-                 keys: tuple[str, str] = ("prompt", "answer")) -> list[tuple[list[int], SamplingParams, int, str | None]]:
+                 keys: tuple[str, str] = ("prompt", "answer")
+                 ) -> list[tuple[list[int], SamplingParams, int, str | None]]:
     """JSONL, a line a prompt: a list of token ids, or {"prompt_token_ids": [...]} or {"prompt": "text"} (needs
     --tokenizer), the object optionally with SamplingParams fields for that prompt (_LINE_FIELDS) over base's, and
     an "answer" (a training JSONL's: its final answer, as math_reward compares it). data: the file's bytes, if
@@ -3211,7 +3213,7 @@ def cli_ranks(n_experts: int, ep_size: int | None, ap) -> CliRanks:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    atexit.register(dist.destroy_process_group)
+    atexit.register(close_process_groups)  # (not destroy_process_group alone: its docstring says why)
     rank = dist.get_rank()
     groups = [dist.new_group(list(range(r, r + size))) for r in range(0, world, size)] if size > 1 else []
     gather = dist.new_group(backend="gloo") if world > size else None

@@ -49,6 +49,7 @@ deploy.timeout_s exits naming itself, the phase and the peers it waits on (rollo
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import faulthandler
@@ -78,7 +79,8 @@ from model import ModelConfig, build_model, save_pretrained
 from model.config import ConfigError, build_section, closest, load_yaml, resolve_config, write_denied
 from model.model import DTYPES, Experts, Transformer, compile_fusions
 from model.parallel import (AdamW, EPExperts, clip_coef, clip_grad_norm, copy_full_state, full_state,
-                            layout_error, local, make_actor_groups, reshard, row_pieces, shard_rows, sharded_actor)
+                            close_process_groups, layout_error, local, make_actor_groups, reshard, row_pieces,
+                            shard_rows, sharded_actor)
 from model.plan import GB, plan
 from model.weights import load_state, release_tensors, save_tensors
 from model.tasks import DigitTask, Item, JsonlTask, completion_text
@@ -509,6 +511,7 @@ def init_dist(cfg: RunConfig) -> Dist:
                                     world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
+    atexit.register(close_process_groups)  # (the groups' gloo threads joined before the interpreter's finalization)
     n_actor = world - cfg.deploy.rollout_ranks
     mesh = make_actor_groups(n_actor, cfg.train.ep, device.type)  # collective: every rank creates the groups
     sync_group = dist.new_group([0] + list(range(n_actor, world)))

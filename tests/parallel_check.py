@@ -12,6 +12,7 @@ forward to backward, and a no-grad forward (GRPO's pi_old pass) runs first, leav
 model on each rank's GPU too.
 """
 import argparse
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, build_model  # noqa: E402
 from model.config import load_yaml  # noqa: E402
-from model.parallel import (AdamW, clip_grad_norm, copy_full_state, full_state, gather_rows,  # noqa: E402
-                            make_actor_groups, reshard, sharded_actor)
+from model.parallel import (AdamW, clip_grad_norm, close_process_groups, copy_full_state, full_state,  # noqa: E402
+                            gather_rows, make_actor_groups, reshard, sharded_actor)
 
 
 def init_rank(device: str) -> torch.device:
@@ -34,6 +35,7 @@ def init_rank(device: str) -> torch.device:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    atexit.register(close_process_groups)  # (gloo's threads joined before the interpreter's finalization)
     return dev
 
 

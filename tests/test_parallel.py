@@ -1,5 +1,7 @@
 """The sharded actor against the single-process model (FSDP2 and expert parallelism on gloo ranks), grouped
 experts against their loop twin, and routing replay statistics."""
+import os
+
 import pytest
 import torch
 
@@ -118,3 +120,49 @@ def test_expert_dispatch_and_combine_gradients():
     assert torch.allclose(got, want, atol=1e-5)
     for a, b in zip(gg, wg):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def _closing_rank(rank: int, port: int, out: str):
+    """A torchrun-like rank: a gloo group held in a reference cycle (as an engine holds its expert group), one
+    collective on a temporary tensor, then close_process_groups (test below). Writes its thread counts."""
+    import json
+    import os
+    import torch.distributed as dist
+    from model.parallel import close_process_groups
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.ones(2).sum()  # (torch's own threads, if any, before the count)
+    before = threads()
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    class Holder:
+        def __init__(self, group):
+            self.group, self.me = group, self
+    held = Holder(dist.new_group([0, 1]))
+    dist.all_reduce(torch.ones(4), group=held.group)
+    during = threads()
+    del held
+    close_process_groups()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump([before, during, threads()], f)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_closing_the_process_groups_joins_their_threads(tmp_path):
+    """close_process_groups (the CLI's and the trainer's atexit handler) leaves no gloo thread running: a group
+    that a reference cycle held was left to the interpreter's finalization, where its worker thread, releasing a
+    finished collective's tensors, asked for the GIL and aborted the rank ("terminate called without an active
+    exception") once its work was done."""
+    import json
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_closing_rank, args=(port, str(tmp_path)), nprocs=2)
+    for r in range(2):
+        before, during, after = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert during > before and after == before, (before, during, after)
