@@ -3389,6 +3389,10 @@ def main(argv=None):
         except OSError as e:
             ap.error(f"--prompts {args.prompts}: {e}")
         lines = [r for r in read_prompts(args.prompts, tok, cfg.vocab_size, sp, raw, keys) for _ in range(args.n)]
+        greedy = sum(q.temperature == 0 for _, q, *_ in lines[::args.n])
+        if args.n > 1 and greedy and lead:  # (pass@n of alike samples is pass@1)
+            print(f"note: {greedy} prompt(s) decode greedily (temperature 0), so each one's --n {args.n} samples are "
+                  f"alike", file=sys.stderr)
         # a chunk's completions are on disk before the next chunk starts, under <out>.partial until the last one
         # (beside it <out>.partial.json, the run's settings): an interrupted run leaves no file that looks
         # complete, an earlier --out stays as it was, and --resume goes on from the last whole chunk

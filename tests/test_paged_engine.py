@@ -667,6 +667,8 @@ def test_cli_chunks_per_line_parameters_and_bad_lines(tmp_path, capsys):
     for x, y in zip(outs[2], outs[5]):  # the same samples; log-probs to the last bits of other batch shapes
         assert (x["token_ids"], x["finish_reason"]) == (y["token_ids"], y["finish_reason"])
         assert max(abs(u - v) for u, v in zip(x["logprobs"], y["logprobs"])) < 1e-5
+    assert "note: 1 prompt(s) decode greedily (temperature 0), so each one's --n 2 samples are alike" in \
+        capsys.readouterr().err
     rows = outs[2]
     assert all(len(r["token_ids"]) <= 2 for r in rows[2:4]) and any(len(r["token_ids"]) > 2 for r in rows)
     assert rows[6]["token_ids"] == rows[7]["token_ids"]  # greedy: both samples alike
