@@ -3252,7 +3252,7 @@ def main(argv=None):
     ap.add_argument("--bos-token", help="a token of --tokenizer put before each text prompt (train_grpo's "
                     "task.bos_token)")
     ap.add_argument("--eos-token", help="a token of --tokenizer that ends a completion, in place of the "
-                    "checkpoint's eos_token_id (train_grpo's task.eos_token)")
+                    "checkpoint's eos_token_id unless among its ids (train_grpo's task.eos_token)")
     ap.add_argument("--bf16", action="store_true", help="keep weights in BF16 instead of FP8")
     ap.add_argument("--fp8-scale-fmt", choices=["fp32", "ue8m0"],
                     help="FP8 block scales (default: an FP8 checkpoint's own, its weights keeping their bits; "
@@ -3450,7 +3450,8 @@ def main(argv=None):
         if not str(e).startswith("invalid engine arguments"):
             raise
         raise SystemExit(f"error: {e}") from None
-    if tok is not None and tok.eos_id is not None:  # (as the trainer's task.eos_token replaces the model's)
+    # --eos-token, as train_grpo's task.eos_token: the end-of-sequence id, unless the checkpoint's ids hold it
+    if tok is not None and tok.eos_id is not None and tok.eos_id not in engine.cfg.eos_ids:
         engine.cfg.eos_token_id = tok.eos_id
     if ep is not None and lead:
         ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
