@@ -1110,8 +1110,8 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
 
 def test_cli_stop_token_ids_and_eos_token(tmp_path, bpe):
     """--stop-token-ids ends every completion at those ids (a prompt line's own stop_token_ids replace them);
-    --eos-token ends them at a tokenizer's token in place of the checkpoint's eos_token_id (train_grpo's
-    task.eos_token: a line's ignore_eos passes it). Greedy, so each run's completions are the first run's cut."""
+    --eos-token ends them at a tokenizer's token in place of the checkpoint's eos_token_id, unless among its
+    ids (train_grpo's task.eos_token: a line's ignore_eos passes it). Greedy, so each run's completions are the first run's cut."""
     import json
     import rollout_server
     words = [f"w{i}" for i in range(80)]
@@ -1144,6 +1144,7 @@ def test_cli_stop_token_ids_and_eos_token(tmp_path, bpe):
     assert run(*tk, "--eos-token", name)[0] == cut  # (the config's eos null)
     # the checkpoint's own eos (here the token at k) is replaced by --eos-token's
     assert run(eos=t)[0] == cut and run(*tk, "--eos-token", tok.id_to_token(other), eos=t)[0] == full[0]
+    assert run(*tk, "--eos-token", tok.id_to_token(other), eos=[other, t])[0] == cut  # (ids that hold it: kept)
     assert run(*tk, "--eos-token", name, lines=([3, 4, 5], {"prompt_token_ids": [3, 4, 5], "ignore_eos": True})) \
         == [cut, full[0]]
 
