@@ -1591,7 +1591,10 @@ def _send_cmd(d: Dist, cmd: str, step: int = 0):
 
 
 def agree_checkpoint(cfg: RunConfig, d: Dist, resume: str) -> tuple[Path | None, dict | None]:
-    """All actor ranks resume from the driver's choice; each checks its own shard before the actor is built."""
+    """All actor ranks resume from the driver's choice; each checks it (its own shard, or under another layout every
+    writer's) before the actor is built, and the driver says what every rank found wrong, once: a damaged meta.json
+    each rank reads alike was said by every rank, and a shard only one rank reads by that rank alone, in the output's
+    middle."""
     path = find_checkpoint(Path(cfg.out_dir), resume) if d.rank == 0 else None
     name = torch.zeros(1024, dtype=torch.uint8, device=d.device)
     if d.rank == 0 and path is not None:
@@ -1608,7 +1611,24 @@ def agree_checkpoint(cfg: RunConfig, d: Dist, resume: str) -> tuple[Path | None,
             print(f"--resume auto: no complete checkpoint in {Path(cfg.out_dir) / 'checkpoints'}; starting at step 0",
                   flush=True)
         return None, None
-    return Path(s), check_checkpoint(Path(s), cfg, d.rank, d.n_actor, d.mesh.ep)
+    try:
+        meta, err = check_checkpoint(Path(s), cfg, d.rank, d.n_actor, d.mesh.ep), None
+    except SystemExit as e:
+        meta, err = None, str(e.code)
+    errs = [err]
+    if d.n_actor > 1:
+        errs = [None] * d.n_actor
+        with phase("checking the checkpoint", "every actor rank"):
+            dist.all_gather_object(errs, err, group=d.actor_group)
+    if any(errs):
+        quiet_exit(d.rank)  # (the driver says it)
+        said = {}
+        for r, e in enumerate(errs):
+            if e:
+                said.setdefault(e, []).append(r)
+        raise SystemExit("\n".join(e if len(said) == 1 and len(ranks) == d.n_actor else
+                                   f"actor rank(s) {', '.join(map(str, ranks))}: {e}" for e, ranks in said.items()))
+    return Path(s), meta
 
 
 def run_follower(cfg: RunConfig, d: Dist, actor: Actor, task):

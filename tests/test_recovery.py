@@ -423,6 +423,27 @@ def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothin
     assert tree_digest(out / "checkpoints") == before
 
 
+
+def test_a_damaged_checkpoint_is_said_once_by_the_driver(ref, tmp_path):
+    """What the actor ranks find wrong with the checkpoint to resume is gathered and said by the driver, once: a
+    shard that one rank reads, naming that rank (it spoke alone, amid the others' output), and a meta.json that
+    every rank reads alike, without the ranks (each rank said it)."""
+    out = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(ref[0] / "checkpoints" / f"step_{step:06d}", out / "checkpoints" / f"step_{step:06d}")
+    ck = out / "checkpoints" / "step_000004"
+    (ck / "actor-rank00001.safetensors").unlink()
+    log = finish(launch(out, STEPS, resume="auto"), timeout=200, ok=False)
+    said = [ln for ln in log.splitlines() if "missing actor-rank00001.safetensors" in ln]
+    assert said == [f"rank 0: actor rank(s) 1: {ck}: missing actor-rank00001.safetensors; move it out of "
+                    f"{out / 'checkpoints'} and --resume auto goes on from the newest complete checkpoint before it, "
+                    f"{out / 'checkpoints' / 'step_000002'} (or --resume that path)"], log[-3000:]
+    shutil.copy(ref[0] / "checkpoints" / "step_000004" / "actor-rank00001.safetensors", ck)
+    (ck / "meta.json").write_text("{")
+    log = finish(launch(out, STEPS, resume="auto"), timeout=200, ok=False)
+    said = [ln for ln in log.splitlines() if "meta.json: corrupt" in ln]
+    assert len(said) == 1 and said[0].startswith(f"rank 0: {ck / 'meta.json'}: corrupt (JSONDecodeError"), log[-3000:]
+
 def test_tied_embeddings_checkpoint_resume_and_export(tmp_path):
     """tie_word_embeddings: the head is the embedding's Parameter; checkpoints hold it once (safetensors refuses
     aliases), a resumed run continues, and the exported model loads with the tie in place."""
