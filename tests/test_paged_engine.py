@@ -979,6 +979,7 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
     locked = locked_dir
     nomodel.write_text("seed: 1\n")
     ok = ["--prompts", str(src), "--out", str(tmp_path / "o.jsonl")]
+    tiny = ["--model", "configs/tiny.yaml", *ok]
     for argv, msg in ((["--model", str(tmp_path / "nothing"), *ok], "neither a checkpoint directory nor"),
                       (["--model", str(tmp_path), *ok], "no config.json"),
                       (["--model", str(nomodel), *ok], "no model: section"),
@@ -986,14 +987,14 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                        "x.jsonl: no such file"),
                       (["--model", "configs/tiny.yaml", "--prompts", str(tmp_path), "--out", "o.jsonl"],
                        f"--prompts {tmp_path}: a directory, not a file"),
-                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(tmp_path)],
+                      ([*tiny, "--tokenizer", str(tmp_path)],
                        f"--tokenizer {tmp_path}: no tokenizer.json in this directory"),
                       (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path / "d" / "o")],
                        "no directory"),
-                      (["--model", "configs/tiny.yaml", *ok, "--n", "0"], "--n must be >= 1, got 0"),
-                      (["--model", "configs/tiny.yaml", *ok, "--chunk", "0"], "--chunk must be >= 1"),
-                      (["--model", "configs/tiny.yaml", *ok, "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1]"),
-                      (["--model", "configs/tiny.yaml", *ok, "--temperature", "-1"], "temperature=-1.0"),
+                      ([*tiny, "--n", "0"], "--n must be >= 1, got 0"),
+                      ([*tiny, "--chunk", "0"], "--chunk must be >= 1"),
+                      ([*tiny, "--mem-fraction", "1.5"], "--mem-fraction must be in (0, 1]"),
+                      ([*tiny, "--temperature", "-1"], "temperature=-1.0"),
                       (["--model", "configs/tiny.yaml", "--out", "o.jsonl"], "--prompts and --out are required"),
                       # these three loaded the weights first, then failed
                       (["--model", "configs/tiny.yaml", "--prompts", str(src), "--out", str(tmp_path)],
@@ -1005,23 +1006,23 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
                       (["--model", "configs/tiny.yaml", "--bench", "--prompt-len", "100", "--max-model-len", "64"],
                        "--prompt-len 100 + --max-tokens 256 exceed --max-model-len 64"),
                       # not a tokenizer.json: a raw Exception from the tokenizers package before
-                      (["--model", "configs/tiny.yaml", *ok, "--tokenizer", str(src)],
+                      ([*tiny, "--tokenizer", str(src)],
                        "--tokenizer / --chat-template / --bos-token / --eos-token: "),
-                      (["--model", "configs/tiny.yaml", *ok, "--eos-token", "</s>"],
+                      ([*tiny, "--eos-token", "</s>"],
                        "--eos-token names a token of the tokenizer's: give --tokenizer too"),
-                      (["--model", "configs/tiny.yaml", *ok, "--bos-token", "<s>"],
+                      ([*tiny, "--bos-token", "<s>"],
                        "--bos-token names a token of the tokenizer's: give --tokenizer too"),
-                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "2,x"],
+                      ([*tiny, "--stop-token-ids", "2,x"],
                        "argument --stop-token-ids: '2,x': token ids (integers >= 0) separated by commas"),
-                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "-1"],
+                      ([*tiny, "--stop-token-ids", "-1"],
                        "argument --stop-token-ids: '-1': token ids"),
-                      (["--model", "configs/tiny.yaml", *ok, "--stop-token-ids", "2,14"],
+                      ([*tiny, "--stop-token-ids", "2,14"],
                        "--stop-token-ids: token id 14 outside the model's vocabulary [0, 14)"),
-                      (["--model", "configs/tiny.yaml", *ok, "--prompt-key", "max_tokens"],
+                      ([*tiny, "--prompt-key", "max_tokens"],
                        "--prompt-key 'max_tokens': a key of its own (not empty, prompt_token_ids or a sampling field"),
-                      (["--model", "configs/tiny.yaml", *ok, "--answer-key", "prompt_token_ids"],
+                      ([*tiny, "--answer-key", "prompt_token_ids"],
                        "--answer-key 'prompt_token_ids': a key of its own"),
-                      (["--model", "configs/tiny.yaml", *ok, "--answer-key", "prompt"],
+                      ([*tiny, "--answer-key", "prompt"],
                        "--prompt-key and --answer-key are both 'prompt'"),
                       (["--model", "configs/tiny.yaml", "--bench", "--stop-token-ids", "2"],
                        "--stop-token-ids: --bench generates --max-tokens for every prompt")):
@@ -1030,10 +1031,10 @@ def test_cli_rejects_bad_arguments_before_loading_the_model(tmp_path, capsys, mo
         assert msg in capsys.readouterr().err, argv
     src.write_bytes(b"[1, 2]\n\xff\xfe\n")
     with pytest.raises(SystemExit, match="p.jsonl: not UTF-8 text"):
-        rollout_server.main(["--model", "configs/tiny.yaml", *ok])
+        rollout_server.main(tiny)
     src.write_text(json.dumps([1, 99999]) + "\n")
     with pytest.raises(SystemExit, match="p.jsonl:1: token id 99999 outside the model's vocabulary"):
-        rollout_server.main(["--model", "configs/tiny.yaml", *ok])
+        rollout_server.main(tiny)
 
 
 def test_cli_names_a_broken_checkpoint_without_a_traceback(model, tmp_path, capsys):
