@@ -3505,6 +3505,8 @@ def main(argv=None):
                 rec["text"] = tok.decode(o.token_ids)
             scores.append(math_reward(completion_text(tok, o), answers[i]) if scored and answers[i] is not None
                           else None)
+            if answers[i] is not None:  # (the final answer the reward compares against)
+                rec["answer"] = answers[i]
             if scores[-1] is not None:
                 rec["reward"] = scores[-1]
             if not args.no_routed_experts:

@@ -1186,6 +1186,7 @@ def test_cli_scores_completions_against_the_prompts_answers(tmp_path, bpe, capsy
     gold = [picks[a], "zzz", picks[b]]
     want = [math_reward(text(r), gold[i // 3]) if i < 9 else None for i, r in enumerate(rows)]
     assert [r.get("reward") for r in rows] == want
+    assert [r.get("answer") for r in rows] == [gold[i // 3] if i < 9 else None for i in range(12)]  # (#### n: n)
     assert want[a] == 1.0 and want[3:6] == [0.0] * 3 and want[b] == 1.0 and "reward" not in rows[9]
     right = int(sum(want[:9]))
     hit = sum(any(w == 1.0 for w in want[j:j + 3]) for j in (0, 3, 6))
