@@ -1592,9 +1592,8 @@ def _send_cmd(d: Dist, cmd: str, step: int = 0):
 
 def agree_checkpoint(cfg: RunConfig, d: Dist, resume: str) -> tuple[Path | None, dict | None]:
     """All actor ranks resume from the driver's choice; each checks it (its own shard, or under another layout every
-    writer's) before the actor is built, and the driver says what every rank found wrong, once: a damaged meta.json
-    each rank reads alike was said by every rank, and a shard only one rank reads by that rank alone, in the output's
-    middle."""
+    writer's) before the actor is built, and the driver alone says what they found wrong, once: a finding every
+    rank made alike (a damaged meta.json) as it is, others naming the ranks that made them (a shard one rank reads)."""
     path = find_checkpoint(Path(cfg.out_dir), resume) if d.rank == 0 else None
     name = torch.zeros(1024, dtype=torch.uint8, device=d.device)
     if d.rank == 0 and path is not None:
