@@ -1,4 +1,5 @@
 """The paged engine against its slow twin (SimpleEngine) and the model's full-sequence forward."""
+import atexit
 import dataclasses
 import functools
 import json
@@ -14,6 +15,7 @@ import torch.multiprocessing as mp
 
 from model import ModelConfig, build_model
 from model.config import load_yaml
+from model.parallel import close_process_groups
 from kernels.quant import fp8_dtype
 from model.model import Transformer
 from rollout_server import (FP8_SCALE, Engine, SamplingParams, SimpleEngine, WeightApplier, bucket_layout, bucket_plan,
@@ -1510,6 +1512,7 @@ def _preempting_rollout(rank: int, port: int, out: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # (three processes on CI's two cores: more threads each oversubscribe them, 5x slower)
     dist.init_process_group("gloo", rank=rank, world_size=3)
+    atexit.register(close_process_groups)  # (gloo's threads joined before the interpreter's finalization)
     cpu = torch.device("cpu")
     if rank == 0:
         client = rollout_server.RolloutClient([1, 2], None, cpu)
@@ -1525,7 +1528,6 @@ def _preempting_rollout(rank: int, port: int, out: str):
         got = {k: eng.stats[k] for k in rollout_server.CACHE_COUNTS}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(got, f)
-    dist.destroy_process_group()
 
 
 def test_the_driver_hears_what_the_rollouts_short_cache_cost(tmp_path):
