@@ -3450,9 +3450,8 @@ def main(argv=None):
         if not str(e).startswith("invalid engine arguments"):
             raise
         raise SystemExit(f"error: {e}") from None
-    # --eos-token, as train_grpo's task.eos_token: the end-of-sequence id, unless the checkpoint's ids hold it
-    if tok is not None and tok.eos_id is not None and tok.eos_id not in engine.cfg.eos_ids:
-        engine.cfg.eos_token_id = tok.eos_id
+    if tok is not None:  # (--eos-token)
+        engine.cfg.end_with(tok.eos_id)
     if ep is not None and lead:
         ex = next(m for m in engine.model.modules() if isinstance(m, EngineExperts))
         print(f"expert parallel: each of {ep[1]} ranks holds {ex.n_local} of the {ex.n_total} routed experts a layer")

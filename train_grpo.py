@@ -637,8 +637,7 @@ def make_task(cfg: RunConfig):
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the task's tokenizer "
                           f"({tok.vocab_size})")
-    if tok.eos_id is not None and tok.eos_id not in cfg.model.eos_ids:
-        cfg.model.eos_token_id = tok.eos_id
+    cfg.model.end_with(tok.eos_id)
     budget = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     if isinstance(task, JsonlTask):
         stats = {"malformed_lines": task.bad_lines}

@@ -111,6 +111,12 @@ class ModelConfig:
         eos = self.eos_token_id
         return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
+    def end_with(self, eos_id: int | None):
+        """A tokenizer's end token (train_grpo's task.eos_token, the CLI's --eos-token) as the one that ends a
+        sequence, in place of eos_token_id unless its ids hold it already; None changes nothing."""
+        if eos_id is not None and eos_id not in self.eos_ids:
+            self.eos_token_id = eos_id
+
     @property
     def shared_intermediate_size(self) -> int:
         return self.n_shared_experts * self.moe_intermediate_size
