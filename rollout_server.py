@@ -1366,7 +1366,7 @@ class PagedCache:
         cfg = model.cfg
         self.model, self.n_slots, self.BE, self.device = model, n_slots, block_entries, device
         self.ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
-        self.max_blocks = self.seq_blocks(cfg, max_len, block_entries)
+        self.max_blocks = cfg.seq_blocks(max_len, block_entries)
         self.trash = n_slots
         self.kind = self.layer_kinds(cfg)
         for name, per_layer in self.shapes(model, n_slots, n_blocks, block_entries, dtype).items():
@@ -1383,17 +1383,11 @@ class PagedCache:
                        for k in self.ratio}
 
     @classmethod
-    def seq_blocks(cls, cfg, max_len: int, block_entries: int) -> dict:
-        """The most blocks of each pool one sequence of max_len positions takes (its block table's width)."""
-        return {k: max(1, -(-(max_len // r) // block_entries)) for k, r in zip(cls.POOLS, (cfg.csa_ratio,
-                                                                                         cfg.hca_ratio))}
-
-    @classmethod
     def too_few_blocks(cls, cfg, num_blocks: int, max_len: int, max_len_name: str) -> str | None:
         """Why num_blocks blocks a pool (a fixed num_blocks, of BLOCK_ENTRIES entries) cannot serve one sequence of
         max_len positions (its most in any pool a layer writes, and the scratch block), or None; max_len_name: the
         setting's name (the CLI's flag, a run's config key)."""
-        most = cls.seq_blocks(cfg, max_len, BLOCK_ENTRIES)
+        most = cfg.seq_blocks(max_len, BLOCK_ENTRIES)
         least = 1 + max([most[k] for k in set(cls.layer_kinds(cfg).values())], default=0)
         return (f"blocks of {BLOCK_ENTRIES} entries cannot hold one sequence of {max_len_name} {max_len} ({least} "
                 f"needed, one of them scratch") if num_blocks < least else None
@@ -2049,7 +2043,7 @@ class Engine:
         self.progress = None  # generate's progress callback, while it runs
 
     def _size_pools(self, num_blocks, BE, mem_fraction) -> dict:
-        most = PagedCache.seq_blocks(self.cfg, self.max_model_len, BE)
+        most = self.cfg.seq_blocks(self.max_model_len, BE)
         full = {k: self.max_seqs * n + 1 for k, n in most.items()}  # (+ 1: block 0 is scratch)
         size = functools.partial(PagedCache.nbytes, self.model, self.max_seqs, block_entries=BE, dtype=self.dtype)
         if num_blocks is not None:  # fixed (a dict may leave out a pool no layer writes: no bytes; checked above)

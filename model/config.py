@@ -117,6 +117,12 @@ class ModelConfig:
         if eos_id is not None and eos_id not in self.eos_ids:
             self.eos_token_id = eos_id
 
+    def seq_blocks(self, max_len: int, block_entries: int) -> dict:
+        """{"csa": n, "hca": n}: the most blocks of block_entries compressed entries one sequence of max_len positions
+        takes in each of the paged engine's pools (its block table's width; at least 1)."""
+        return {k: max(1, -(-(max_len // r) // block_entries)) for k, r in (("csa", self.csa_ratio),
+                                                                             ("hca", self.hca_ratio))}
+
     @property
     def shared_intermediate_size(self) -> int:
         return self.n_shared_experts * self.moe_intermediate_size

@@ -197,8 +197,7 @@ def cache_bytes(cfg: ModelConfig, max_seqs: int, max_len: int, esize: int, block
         elif t == HCA:
             slot += 4 * cfg.hca_ratio * 2 * cfg.head_dim
             block["hca"] += block_entries * cfg.head_dim * esize
-    ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}
-    blocks = {k: num_blocks or max_seqs * max(1, -(-(max_len // ratio[k]) // block_entries)) + 1 for k in ratio}
+    blocks = {k: num_blocks or max_seqs * n + 1 for k, n in cfg.seq_blocks(max_len, block_entries).items()}
     return (max_seqs + 1) * slot + sum(blocks[k] * block[k] for k in block)
 
 

@@ -60,7 +60,11 @@ def test_planned_pools_are_the_cache_shapes_at_full_size(path):
     from rollout_server import PagedCache
     run = RunConfig.load(path, [])
     model, ro = build_model(run.model, "meta", seed=None), run.rollout
-    full = {k: ro.max_seqs * n + 1 for k, n in PagedCache.seq_blocks(run.model, ro.max_model_len, 64).items()}
+    assert (run.model.csa_ratio, run.model.hca_ratio) == (4, 128)
+    # a block table's width: ceil(entries / 64) for the max_len // ratio entries a pool keeps, at least 1
+    assert [run.model.seq_blocks(n, 64) for n in (16384, 260, 259, 3)] == [
+        {"csa": 64, "hca": 2}, {"csa": 2, "hca": 1}, {"csa": 1, "hca": 1}, {"csa": 1, "hca": 1}]
+    full = {k: ro.max_seqs * n + 1 for k, n in run.model.seq_blocks(ro.max_model_len, 64).items()}
     assert PagedCache.nbytes(model, ro.max_seqs, full, 64, torch.bfloat16) == cache_bytes(run.model, ro.max_seqs,
                                                                                            ro.max_model_len, 2)
     fixed = dict.fromkeys(full, 37)  # rollout.num_blocks: the pools' size, whatever the sequences
