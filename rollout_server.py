@@ -3273,11 +3273,12 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, help="positions a sequence may reach (default: what the longest "
                     "request needs, at least the model's max_position_embeddings, at most 8192)")
     ap.add_argument("--mem-fraction", type=float, default=0.85,
-                    help="of the GPU memory free after the weights, for the cache pools (paged engine)")
+                    help="of the GPU memory free after the weights, for the cache pools (paged engine; default: "
+                    "%(default)s)")
     ap.add_argument("--num-blocks", type=int, help="blocks of %d entries in each cache pool, instead of as many as "
                     "--mem-fraction leaves room for (paged engine)" % BLOCK_ENTRIES)
     ap.add_argument("--chunk", type=int, default=256, help="requests (prompts x --n) an engine call; a chunk's "
-                    "completions are on disk before the next one starts")
+                    "completions are on disk before the next one starts (default: %(default)s)")
     ap.add_argument("--resume", action="store_true",
                     help="continue an interrupted run (same arguments and prompts) from <out>.partial, keeping "
                          "its whole chunks (each generated as one batch, as an uninterrupted run would)")
