@@ -395,9 +395,13 @@ class RunConfig:
             raise ConfigError(f"rollout.ep: {self.rollout.ep} must divide deploy.rollout_ranks "
                               f"({self.deploy.rollout_ranks}) and model.n_routed_experts ({self.model.n_routed_experts})")
         total = self.train.prompts_per_step * self.train.group_size
-        if total % (n_actor * self.train.minibatches):
+        split = n_actor * self.train.minibatches
+        if total % split:
+            unit = split // math.gcd(self.train.group_size, split)  # the prompts_per_step that split, its multiples
             raise ConfigError(f"train.prompts_per_step x train.group_size = {total} sequences must split evenly "
-                              f"into train.minibatches ({self.train.minibatches}) x actor ranks ({n_actor})")
+                              f"into train.minibatches ({self.train.minibatches}) x actor ranks ({n_actor}): with "
+                              f"group_size {self.train.group_size}, prompts_per_step a multiple of {unit} (e.g. "
+                              f"{-(-self.train.prompts_per_step // unit) * unit})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,8 +18,13 @@ def test_world_and_config_validation(tmp_path):
     cfg.validate_world(3)
     with pytest.raises(ConfigError, match="rollout_ranks: 1 rollout ranks leave no actor rank in a world of 1"):
         cfg.validate_world(1)
-    with pytest.raises(ConfigError, match=r"must split evenly into train.minibatches \(2\) x actor ranks \(3\)"):
+    with pytest.raises(ConfigError, match=r"must split evenly into train.minibatches \(2\) x actor ranks \(3\): "
+                       r"with group_size 8, prompts_per_step a multiple of 3 \(e.g. 6\)"):
         RunConfig.load("configs/tiny.yaml", ["train.prompts_per_step=5"]).validate_world(4)
+    with pytest.raises(ConfigError, match=r"= 15 sequences .* multiple of 4 \(e.g. 8\)"):
+        RunConfig.load("configs/tiny.yaml", ["train.prompts_per_step=5", "train.group_size=3"]).validate_world(3)
+    for hint in ("train.prompts_per_step=6", "train.prompts_per_step=8 train.group_size=3"):  # (the hints split)
+        RunConfig.load("configs/tiny.yaml", hint.split()).validate_world(4 if "=6" in hint else 3)
     with pytest.raises(ConfigError, match=r"train\.loss_agg: must be one of"):
         RunConfig.load("configs/tiny.yaml", ["train.loss_agg=mean"])
     with pytest.raises(ConfigError, match=r"trian: unknown key \(did you mean 'train'\?\)"):
