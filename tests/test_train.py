@@ -23,8 +23,8 @@ def test_world_and_config_validation(tmp_path):
         RunConfig.load("configs/tiny.yaml", ["train.prompts_per_step=5"]).validate_world(4)
     with pytest.raises(ConfigError, match=r"= 15 sequences .* multiple of 4 \(e.g. 8\)"):
         RunConfig.load("configs/tiny.yaml", ["train.prompts_per_step=5", "train.group_size=3"]).validate_world(3)
-    for hint in ("train.prompts_per_step=6", "train.prompts_per_step=8 train.group_size=3"):  # (the hints split)
-        RunConfig.load("configs/tiny.yaml", hint.split()).validate_world(4 if "=6" in hint else 3)
+    for hinted, world in ((["train.prompts_per_step=6"], 4), (["train.prompts_per_step=8", "train.group_size=3"], 3)):
+        RunConfig.load("configs/tiny.yaml", hinted).validate_world(world)  # (the prompts_per_step hinted splits)
     with pytest.raises(ConfigError, match=r"train\.loss_agg: must be one of"):
         RunConfig.load("configs/tiny.yaml", ["train.loss_agg=mean"])
     with pytest.raises(ConfigError, match=r"trian: unknown key \(did you mean 'train'\?\)"):
