@@ -1754,8 +1754,7 @@ def main(argv=None):
         sys.stderr.write(f"{WATCHDOG.raised_in or WATCHDOG.where()}: {type(e).__name__}: {e}\n")
         sys.stderr.flush()
         os._exit(1)
-    WATCHDOG.unshare()
-    dist.destroy_process_group()
+    WATCHDOG.unshare()  # (the process groups close at exit: init_dist registered close_process_groups)
 
 
 if __name__ == "__main__":

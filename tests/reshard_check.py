@@ -83,8 +83,7 @@ def main():
                                                                          and torch.equal(got[k], v))]
     if errors:
         print(f"rank {rank}: {len(errors)} mismatches: {errors[:5]}", flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if errors else 0)
+    sys.exit(1 if errors else 0)  # (the process groups close at exit: init_rank registered close_process_groups)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,7 @@ def main():
             with torch.no_grad():  # an optimizer step: in place, after the capture
                 for p in actor.params:
                     local(p).mul_(-1.5).add_(0.25)
-    dist.destroy_process_group()
-    print("sync check passed", flush=True)
+    print("sync check passed", flush=True)  # (the process groups close at exit: init_rank registered their closing)
 
 
 def launch(*extra: str, timeout: float = 300):

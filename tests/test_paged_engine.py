@@ -1114,7 +1114,8 @@ def test_cli_text_prompts_and_an_interrupted_run(tmp_path, bpe, capsys, monkeypa
 def test_cli_stop_token_ids_and_eos_token(tmp_path, bpe):
     """--stop-token-ids ends every completion at those ids (a prompt line's own stop_token_ids replace them);
     --eos-token ends them at a tokenizer's token in place of the checkpoint's eos_token_id, unless among its
-    ids (train_grpo's task.eos_token: a line's ignore_eos passes it). Greedy, so each run's completions are the first run's cut."""
+    ids (train_grpo's task.eos_token: a line's ignore_eos passes it). Greedy, so each run's completions are the
+    first run's cut."""
     import json
     import rollout_server
     words = [f"w{i}" for i in range(80)]

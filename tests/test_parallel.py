@@ -126,7 +126,6 @@ def _closing_rank(rank: int, port: int, out: str):
     """A torchrun-like rank: a gloo group held in a reference cycle (as an engine holds its expert group), one
     collective on a temporary tensor, then close_process_groups (test below). Writes its thread counts."""
     import json
-    import os
     import torch.distributed as dist
     from model.parallel import close_process_groups
 

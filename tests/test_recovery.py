@@ -423,7 +423,6 @@ def test_checkpoint_with_a_wrong_tensor_exits_before_training_and_changes_nothin
     assert tree_digest(out / "checkpoints") == before
 
 
-
 def test_a_damaged_checkpoint_is_said_once_by_the_driver(ref, tmp_path):
     """What the actor ranks find wrong with the checkpoint to resume is gathered and said by the driver, once: a
     shard that one rank reads, naming that rank (it spoke alone, amid the others' output), and a meta.json that
